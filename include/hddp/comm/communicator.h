@@ -1,0 +1,98 @@
+// Collective communication among the ranks of one job.
+//
+// One interface, two backends chosen at creation: Gloo (CPU tensors; CUDA tensors are
+// staged through host memory) and NCCL (CUDA tensors, on the current stream). Both are
+// LibTorch's own c10d backends, so no second copy of Gloo or NCCL enters the process.
+//
+// All ranks must issue the same collectives in the same order. Calls return a Work;
+// results are valid after Work::wait(). Operations are in place unless stated.
+// A communicator is used from one thread at a time.
+#pragma once
+
+#include "hddp/comm/store.h"
+#include "hddp/comm/work.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hddp {
+
+enum class ReduceOp { Sum, Avg, Max, Min };
+const char* reduceOpName(ReduceOp op) noexcept;
+
+enum class Backend { Gloo, Nccl };
+const char* backendName(Backend backend) noexcept;
+/// "gloo" / "nccl" (case-insensitive); throws hddp::ConfigError otherwise.
+Backend parseBackend(const std::string& text);
+
+/// PyTorch's defaults: 30 minutes for Gloo, 10 minutes for NCCL.
+std::chrono::milliseconds defaultTimeout(Backend backend);
+
+struct CommunicatorOptions {
+  /// Default: Gloo.
+  Backend backend = Backend::Gloo;
+  /// Collective and connection timeout. Default 0 = defaultTimeout(backend), or
+  /// HDDP_TIMEOUT_SEC when set.
+  std::chrono::milliseconds timeout{0};
+  /// Gloo: network interface to bind (empty = HDDP_GLOO_INTERFACE, else hostname,
+  /// falling back to loopback).
+  std::string glooInterface;
+  /// Gloo worker threads. Default 0 = HDDP_GLOO_THREADS (2).
+  int glooThreads = 0;
+  /// NCCL: the CUDA device this rank uses. Ignored by Gloo.
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+struct AllreduceOptions {
+  ReduceOp op = ReduceOp::Sum;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Backend backend() const = 0;
+  virtual std::chrono::milliseconds timeout() const = 0;
+  /// Where this communicator's own tensors live: CPU for Gloo, the rank's CUDA device
+  /// for NCCL.
+  virtual c10::Device device() const = 0;
+
+  /// In-place allreduce of one tensor. Avg on Gloo is a sum divided on wait().
+  virtual Work allreduce(at::Tensor& tensor, const AllreduceOptions& options = {}) = 0;
+  /// In-place allreduce of several tensors of one dtype and device, coalesced into
+  /// one flat buffer (one collective instead of one per tensor).
+  virtual Work allreduceCoalesced(std::vector<at::Tensor>& tensors,
+                                  const AllreduceOptions& options = {}) = 0;
+  /// Broadcasts `tensor` from `root` into every rank's `tensor` (same shape/dtype).
+  virtual Work broadcast(at::Tensor& tensor, int root = 0) = 0;
+  /// Gathers every rank's `input` into `outputs` (size() tensors of input's shape,
+  /// allocated by the caller).
+  virtual Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) = 0;
+  /// Reduces `input` (size() * output.numel() elements, rank-major) across ranks and
+  /// leaves rank r's slice in `output`.
+  virtual Work reduceScatter(at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op = ReduceOp::Sum) = 0;
+  virtual Work barrier() = 0;
+
+  /// Gathers a variable-size byte blob from every rank (e.g. measured step times).
+  /// Blocking: two collectives (sizes, then padded payloads).
+  std::vector<std::vector<uint8_t>> allgatherBytes(const std::vector<uint8_t>& mine);
+};
+
+/// Creates the communicator of `rank` in a group of `size` ranks meeting at `store`.
+/// Blocks until all ranks have joined (or the timeout passes: hddp::TimeoutError).
+std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int size,
+                                               const CommunicatorOptions& options = {});
+
+/// Whether this build can create NCCL communicators (CUDA sources compiled in).
+bool ncclAvailable() noexcept;
+
+}  // namespace hddp

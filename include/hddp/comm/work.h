@@ -1,0 +1,42 @@
+// Handle of an asynchronous collective.
+//
+// isCompleted() never blocks. wait() blocks until the operation is done (or `timeout`
+// passes) and throws the stored error: hddp::TimeoutError or hddp::BackendError with
+// the rank, the collective and the sizes. The result tensors are valid after wait().
+// On CUDA, synchronize() instead makes the current stream wait for the collective
+// without blocking the host.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace hddp {
+
+class Work {
+ public:
+  /// No timeout beyond the communicator's own.
+  static constexpr std::chrono::milliseconds kNoTimeout{0};
+
+  Work();  // an already completed no-op
+  ~Work();
+  Work(Work&&) noexcept;
+  Work& operator=(Work&&) noexcept;
+  Work(const Work&) = delete;
+  Work& operator=(const Work&) = delete;
+
+  bool isCompleted() const;
+  void wait(std::chrono::milliseconds timeout = kNoTimeout);
+  void synchronize();
+  /// What this work does, e.g. "allreduce(sum) of 3 tensors, 1.2 MB float32 on rank 1/4".
+  const std::string& description() const;
+
+  struct Impl;
+  explicit Work(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hddp

@@ -1,0 +1,394 @@
+#include "hddp/comm/communicator.h"
+
+#include "comm/backends.h"
+#include "comm/errors.h"
+#include "comm/store_impl.h"
+#include "comm/work_impl.h"
+#include "hddp/core/env.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cctype>
+
+namespace hddp {
+
+const char* reduceOpName(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+  }
+  return "?";
+}
+
+const char* backendName(Backend backend) noexcept {
+  return backend == Backend::Nccl ? "nccl" : "gloo";
+}
+
+Backend parseBackend(const std::string& text) {
+  std::string lower(text);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (lower == "gloo") {
+    return Backend::Gloo;
+  }
+  if (lower == "nccl") {
+    return Backend::Nccl;
+  }
+  HDDP_THROW(ConfigError, "unknown backend '", text, "'; use gloo or nccl");
+}
+
+std::chrono::milliseconds defaultTimeout(Backend backend) {
+  return backend == Backend::Nccl ? std::chrono::minutes(10) : std::chrono::minutes(30);
+}
+
+namespace {
+
+c10d::ReduceOp toC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return c10d::ReduceOp(c10d::ReduceOp::SUM);
+    case ReduceOp::Avg:
+      return c10d::ReduceOp(c10d::ReduceOp::AVG);
+    case ReduceOp::Max:
+      return c10d::ReduceOp(c10d::ReduceOp::MAX);
+    case ReduceOp::Min:
+      return c10d::ReduceOp(c10d::ReduceOp::MIN);
+  }
+  HDDP_INTERNAL_ASSERT(false, "unhandled ReduceOp ", static_cast<int>(op));
+}
+
+std::string describeTensors(const std::vector<at::Tensor>& tensors) {
+  int64_t elements = 0;
+  for (const auto& t : tensors) {
+    elements += t.defined() ? t.numel() : 0;
+  }
+  std::string dtype =
+      tensors.empty() || !tensors[0].defined() ? "?" : std::string(c10::toString(tensors[0].scalar_type()));
+  std::string device = tensors.empty() || !tensors[0].defined() ? "?" : tensors[0].device().str();
+  return c10::str(tensors.size(), tensors.size() == 1 ? " tensor, " : " tensors, ", elements,
+                  " elements ", dtype, " on ", device);
+}
+
+// Communicator over any c10d::Backend (ProcessGroupGloo, ProcessGroupNCCL).
+class C10dCommunicator final : public Communicator {
+ public:
+  C10dCommunicator(c10::intrusive_ptr<c10d::Backend> backend, Backend kind, int rank, int size,
+                   std::chrono::milliseconds timeout, c10::Device device)
+      : backend_(std::move(backend)),
+        kind_(kind),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout),
+        device_(device) {}
+
+  ~C10dCommunicator() override {
+    try {
+      if (kind_ == Backend::Nccl) {
+        backend_->shutdown();
+      }
+    } catch (const std::exception& e) {
+      HDDP_LOG_WARN("comm", "shutting down the ", backendName(kind_), " communicator: ", e.what());
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Backend backend() const override { return kind_; }
+  std::chrono::milliseconds timeout() const override { return timeout_; }
+
+  Work allreduce(at::Tensor& tensor, const AllreduceOptions& options) override {
+    checkTensor(tensor, "allreduce");
+    std::vector<at::Tensor> tensors{tensor};
+    return reduceInPlace(tensors, options.op, "allreduce");
+  }
+
+  Work allreduceCoalesced(std::vector<at::Tensor>& tensors,
+                          const AllreduceOptions& options) override {
+    if (tensors.empty()) {
+      return Work();
+    }
+    for (const auto& t : tensors) {
+      checkTensor(t, "allreduceCoalesced");
+      HDDP_CHECK(t.scalar_type() == tensors[0].scalar_type() && t.device() == tensors[0].device(),
+                 "allreduceCoalesced needs one dtype and device for all tensors; got ",
+                 tensors[0].scalar_type(), " on ", tensors[0].device(), " and ", t.scalar_type(),
+                 " on ", t.device(), ". Group tensors by dtype and device first.");
+    }
+    if (tensors.size() == 1) {
+      return allreduce(tensors[0], options);
+    }
+    std::vector<at::Tensor> flat_views;
+    flat_views.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      flat_views.push_back(t.reshape({-1}));
+    }
+    std::vector<at::Tensor> flat{at::cat(flat_views)};
+    std::vector<at::Tensor> targets = tensors;
+    auto work = reduceInPlace(flat, options.op, "allreduceCoalesced", describeTensors(tensors));
+    // Scatter back into the caller's tensors once the collective has completed.
+    auto finishFlat = std::move(work.impl_unsafe()->onComplete);
+    work.impl_unsafe()->onComplete = [flat, targets, finishFlat]() mutable {
+      if (finishFlat) {
+        finishFlat();
+      }
+      int64_t offset = 0;
+      for (auto& t : targets) {
+        const int64_t n = t.numel();
+        t.copy_(flat[0].narrow(0, offset, n).view(t.sizes()));
+        offset += n;
+      }
+    };
+    return std::move(work.work);
+  }
+
+  Work broadcast(at::Tensor& tensor, int root) override {
+    checkTensor(tensor, "broadcast");
+    HDDP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of this ",
+               size_, "-rank group");
+    std::vector<at::Tensor> tensors{tensor};
+    const std::string what =
+        c10::str("broadcast from rank ", root, " of ", describeTensors(tensors), rankSuffix());
+    if (tensor.numel() == 0) {
+      return completed(what);
+    }
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.timeout = timeout_;
+    return launch(what, [&] { return backend_->broadcast(tensors, opts); });
+  }
+
+  Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) override {
+    checkTensor(input, "allgather");
+    HDDP_CHECK(static_cast<int>(outputs.size()) == size_, "allgather needs ", size_,
+               " output tensors (one per rank), got ", outputs.size());
+    for (const auto& out : outputs) {
+      HDDP_CHECK(out.defined() && out.sizes() == input.sizes() &&
+                     out.scalar_type() == input.scalar_type() && out.device() == input.device(),
+                 "allgather outputs must match the input (", input.sizes(), " ",
+                 input.scalar_type(), " on ", input.device(), "), got ",
+                 out.defined() ? c10::str(out.sizes(), " ", out.scalar_type(), " on ", out.device())
+                               : std::string("an undefined tensor"));
+      HDDP_CHECK(out.is_contiguous(), "allgather outputs must be contiguous");
+    }
+    const std::string what = c10::str("allgather of ", describeTensors({input}), rankSuffix());
+    if (input.numel() == 0) {
+      return completed(what);
+    }
+    std::vector<std::vector<at::Tensor>> outs{outputs};
+    std::vector<at::Tensor> ins{input};
+    c10d::AllgatherOptions opts;
+    opts.timeout = timeout_;
+    return launch(what, [&] { return backend_->allgather(outs, ins, opts); });
+  }
+
+  Work reduceScatter(at::Tensor& output, const at::Tensor& input, ReduceOp op) override {
+    checkTensor(output, "reduceScatter");
+    checkTensor(input, "reduceScatter");
+    HDDP_CHECK(input.numel() == output.numel() * size_, "reduceScatter: input has ",
+               input.numel(), " elements, expected size() * output.numel() = ", size_, " * ",
+               output.numel());
+    HDDP_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(),
+               "reduceScatter: input and output must share dtype and device");
+    const std::string what = c10::str("reduceScatter(", reduceOpName(op), ") of ",
+                                      describeTensors({input}), rankSuffix());
+    if (output.numel() == 0) {
+      return completed(what);
+    }
+    const bool emulateAvg = op == ReduceOp::Avg && kind_ == Backend::Gloo;
+    checkAvg(op, input);
+    std::vector<at::Tensor> outs{output};
+    std::vector<std::vector<at::Tensor>> ins{input.reshape({size_, -1}).unbind(0)};
+    for (auto& t : ins[0]) {
+      t = t.view(output.sizes());
+    }
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = toC10d(emulateAvg ? ReduceOp::Sum : op);
+    opts.timeout = timeout_;
+    auto work = launch(what, [&] { return backend_->reduce_scatter(outs, ins, opts); });
+    if (emulateAvg) {
+      at::Tensor out = output;
+      const int n = size_;
+      work.impl_unsafe()->onComplete = [out, n]() mutable { out.div_(n); };
+    }
+    return std::move(work.work);
+  }
+
+  Work barrier() override {
+    const std::string what = c10::str("barrier", rankSuffix());
+    c10d::BarrierOptions opts;
+    opts.timeout = timeout_;
+    if (kind_ == Backend::Nccl) {
+      opts.device = device_;
+    }
+    return launch(what, [&] { return backend_->barrier(opts); });
+  }
+
+  c10::Device device() const override {
+    return kind_ == Backend::Nccl ? device_ : c10::Device(c10::kCPU);
+  }
+
+ private:
+  // A Work under construction whose Impl may still be edited.
+  struct PendingWork {
+    Work work;
+    Work::Impl* impl;
+    Work::Impl* impl_unsafe() { return impl; }
+    operator Work() && { return std::move(work); }  // NOLINT: implicit by design
+  };
+
+  std::string rankSuffix() const { return c10::str(" on rank ", rank_, "/", size_); }
+
+  void checkTensor(const at::Tensor& t, const char* op) const {
+    HDDP_CHECK(t.defined(), op, ": the tensor is undefined");
+    HDDP_CHECK(t.is_contiguous(), op, ": the tensor must be contiguous (got strides ",
+               t.strides(), "); call .contiguous() first");
+    HDDP_CHECK(!t.is_sparse(), op, ": sparse tensors are not supported");
+    if (kind_ == Backend::Nccl) {
+      HDDP_CHECK(t.is_cuda(), op, " on the NCCL backend needs CUDA tensors, got one on ",
+                 t.device(), "; use a Gloo communicator for CPU tensors");
+    } else {
+      HDDP_CHECK(t.is_cpu() || t.is_cuda(), op, " on Gloo needs CPU or CUDA tensors, got ",
+                 t.device());
+    }
+  }
+
+  void checkAvg(ReduceOp op, const at::Tensor& t) const {
+    HDDP_CHECK(op != ReduceOp::Avg || at::isFloatingType(t.scalar_type()),
+               "ReduceOp::Avg needs a floating-point tensor, got ", t.scalar_type(),
+               "; use Sum and divide yourself");
+  }
+
+  Work completed(const std::string& what) {
+    auto impl = std::make_unique<Work::Impl>();
+    impl->description = what;
+    return Work(std::move(impl));
+  }
+
+  template <typename Launch>
+  PendingWork launch(const std::string& what, Launch&& fn) {
+    auto impl = std::make_unique<Work::Impl>();
+    impl->description = what;
+    try {
+      impl->work = fn();
+    } catch (...) {
+      detail::rethrowAsDistributed(what, false);
+    }
+    Work::Impl* raw = impl.get();
+    return PendingWork{Work(std::move(impl)), raw};
+  }
+
+  PendingWork reduceInPlace(std::vector<at::Tensor>& tensors, ReduceOp op, const char* name,
+                            const std::string& shown = "") {
+    checkAvg(op, tensors[0]);
+    const std::string what = c10::str(name, "(", reduceOpName(op), ") of ",
+                                      shown.empty() ? describeTensors(tensors) : shown,
+                                      rankSuffix());
+    if (tensors[0].numel() == 0) {
+      auto impl = std::make_unique<Work::Impl>();
+      impl->description = what;
+      Work::Impl* raw = impl.get();
+      return PendingWork{Work(std::move(impl)), raw};
+    }
+    const bool emulateAvg = op == ReduceOp::Avg && kind_ == Backend::Gloo;
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = toC10d(emulateAvg ? ReduceOp::Sum : op);
+    opts.timeout = timeout_;
+    auto pending = launch(what, [&] { return backend_->allreduce(tensors, opts); });
+    if (emulateAvg) {
+      at::Tensor t = tensors[0];
+      const int n = size_;
+      pending.impl->onComplete = [t, n]() mutable { t.div_(n); };
+    }
+    return pending;
+  }
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  Backend kind_;
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+  c10::Device device_;
+};
+
+}  // namespace
+
+std::vector<std::vector<uint8_t>> Communicator::allgatherBytes(const std::vector<uint8_t>& mine) {
+  const c10::Device dev = device();
+  const auto longOpts = at::TensorOptions().dtype(at::kLong).device(dev);
+  at::Tensor mySize = at::full({1}, static_cast<int64_t>(mine.size()), longOpts);
+  std::vector<at::Tensor> sizes;
+  for (int r = 0; r < size(); ++r) {
+    sizes.push_back(at::empty({1}, longOpts));
+  }
+  allgather(sizes, mySize).wait();
+  int64_t maxSize = 0;
+  std::vector<int64_t> lengths;
+  for (const auto& s : sizes) {
+    lengths.push_back(s.item<int64_t>());
+    maxSize = std::max(maxSize, lengths.back());
+  }
+  std::vector<std::vector<uint8_t>> result(size());
+  if (maxSize == 0) {
+    return result;
+  }
+  const auto byteOpts = at::TensorOptions().dtype(at::kByte);
+  at::Tensor padded = at::zeros({maxSize}, byteOpts);
+  std::copy(mine.begin(), mine.end(), padded.data_ptr<uint8_t>());
+  padded = padded.to(dev);
+  std::vector<at::Tensor> gathered;
+  for (int r = 0; r < size(); ++r) {
+    gathered.push_back(at::empty({maxSize}, byteOpts.device(dev)));
+  }
+  allgather(gathered, padded).wait();
+  for (int r = 0; r < size(); ++r) {
+    at::Tensor host = gathered[r].cpu();
+    const uint8_t* p = host.data_ptr<uint8_t>();
+    result[r].assign(p, p + lengths[r]);
+  }
+  return result;
+}
+
+std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int size,
+                                               const CommunicatorOptions& options) {
+  HDDP_CHECK_AS(ConfigError, size >= 1, "communicator size must be >= 1, got ", size);
+  HDDP_CHECK_AS(ConfigError, rank >= 0 && rank < size, "rank ", rank,
+                " is outside the group of size ", size, " (valid: 0..", size - 1, ")");
+  std::chrono::milliseconds timeout = options.timeout;
+  if (timeout.count() <= 0) {
+    const int64_t seconds = env::getInt("HDDP_TIMEOUT_SEC");
+    timeout = seconds > 0 ? std::chrono::milliseconds(seconds * 1000) : defaultTimeout(options.backend);
+  }
+  // Each communicator gets its own key space in the store, so several communicators
+  // (and restarts) in one job do not see each other's keys.
+  const int64_t generation = store.impl()->store->add("hddp/communicator_generation/" +
+                                                          std::to_string(rank), 1);
+  Store scoped = store.withPrefix("hddp/comm/" + std::to_string(generation));
+  const auto& c10dStore = detail::c10dStore(scoped);
+  c10::intrusive_ptr<c10d::Backend> backend;
+  const std::string what = c10::str("creating the ", backendName(options.backend),
+                                    " communicator for rank ", rank, "/", size, " via ",
+                                    store.description());
+  try {
+    backend = options.backend == Backend::Nccl
+                  ? detail::createNcclBackend(c10dStore, rank, size, timeout, options)
+                  : detail::createGlooBackend(c10dStore, rank, size, timeout, options);
+  } catch (...) {
+    detail::rethrowAsDistributed(what, false);
+  }
+  HDDP_LOG_INFO("comm", "joined a ", size, "-rank ", backendName(options.backend),
+                " group as rank ", rank, " (timeout ", timeout.count() / 1000, " s)");
+  return std::make_unique<C10dCommunicator>(std::move(backend), options.backend, rank, size,
+                                            timeout, options.device);
+}
+
+}  // namespace hddp

@@ -1,0 +1,297 @@
+// Reading launcher conventions (torchrun, Slurm, Open MPI) into a LaunchInfo. Pure
+// functions of an environment map, so every convention and error is unit-tested.
+#include "hddp/comm/rendezvous.h"
+
+#include "hddp/core/env.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+#include <cctype>
+#include <map>
+#include <set>
+
+extern char** environ;  // NOLINT
+
+namespace hddp {
+namespace {
+
+// One field's value and the name it came from, for error messages.
+struct Field {
+  int value = 0;
+  std::string from;
+};
+
+const std::string* find(const EnvMap& env, const std::string& name) {
+  auto it = env.find(name);
+  return it == env.end() ? nullptr : &it->second;
+}
+
+int intVar(const EnvMap& env, const std::string& name) {
+  const std::string* text = find(env, name);
+  HDDP_INTERNAL_ASSERT(text, name, " looked up without being present");
+  const int64_t v = env::parseInt(name, *text);
+  HDDP_CHECK_AS(ConfigError, v >= 0 && v <= (1 << 30), name, "=", *text,
+                " is out of range; it must be a non-negative rank or count");
+  return static_cast<int>(v);
+}
+
+std::optional<Field> optionalInt(const EnvMap& env, const std::string& name) {
+  if (!find(env, name)) {
+    return std::nullopt;
+  }
+  return Field{intVar(env, name), name};
+}
+
+Field requiredInt(const EnvMap& env, const std::string& name, const std::string& because) {
+  HDDP_CHECK_AS(ConfigError, find(env, name), name, " is not set but ", because,
+                "; the launcher should set both (or unset both for a single process)");
+  return Field{intVar(env, name), name};
+}
+
+// "4", "4(x2)" or "4(x2),3" -> 4 (the count on the first node, which is ours when
+// SLURM_NODEID is 0; Slurm's tasks-per-node lists are per node in order).
+std::optional<int> firstCount(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    ++i;
+  }
+  if (i == 0) {
+    return std::nullopt;
+  }
+  return std::stoi(text.substr(0, i));
+}
+
+}  // namespace
+
+const char* launcherName(Launcher launcher) noexcept {
+  switch (launcher) {
+    case Launcher::Explicit:
+      return "explicit options";
+    case Launcher::Torchrun:
+      return "torchrun";
+    case Launcher::Slurm:
+      return "slurm";
+    case Launcher::OpenMpi:
+      return "openmpi";
+    case Launcher::Single:
+      return "single process";
+  }
+  return "?";
+}
+
+EnvMap processEnvironment() {
+  EnvMap env;
+  for (char** e = environ; e && *e; ++e) {
+    const std::string entry(*e);
+    const auto eq = entry.find('=');
+    if (eq != std::string::npos) {
+      env.emplace(entry.substr(0, eq), entry.substr(eq + 1));
+    }
+  }
+  return env;
+}
+
+/// First host of a Slurm node list: "gpu[01-04,07],login1" -> "gpu01", "a,b" -> "a".
+std::string firstSlurmHost(const std::string& nodelist) {
+  std::string prefix;
+  size_t i = 0;
+  while (i < nodelist.size() && nodelist[i] != ',' && nodelist[i] != '[') {
+    prefix += nodelist[i++];
+  }
+  if (i < nodelist.size() && nodelist[i] == '[') {
+    ++i;
+    std::string first;
+    while (i < nodelist.size() && nodelist[i] != '-' && nodelist[i] != ',' && nodelist[i] != ']') {
+      first += nodelist[i++];
+    }
+    prefix += first;
+  }
+  return prefix;
+}
+
+LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
+  LaunchInfo info;
+  Field rank{0, "default"};
+  Field world{1, "default"};
+  std::optional<Field> localRank;
+  std::optional<Field> localWorld;
+  std::optional<std::string> addr;
+  std::string addrFrom = "MASTER_ADDR";
+  std::optional<int> port;
+  std::string portFrom = "MASTER_PORT";
+
+  auto masterFromEnv = [&] {
+    if (const std::string* a = find(env, "MASTER_ADDR")) {
+      addr = *a;
+    }
+    if (find(env, "MASTER_PORT")) {
+      port = intVar(env, "MASTER_PORT");
+    }
+  };
+
+  if (find(env, "RANK") || find(env, "WORLD_SIZE")) {
+    info.launcher = Launcher::Torchrun;
+    rank = requiredInt(env, "RANK", "WORLD_SIZE is");
+    world = requiredInt(env, "WORLD_SIZE", "RANK is");
+    localRank = optionalInt(env, "LOCAL_RANK");
+    localWorld = optionalInt(env, "LOCAL_WORLD_SIZE");
+    masterFromEnv();
+    if (auto restarts = optionalInt(env, "TORCHELASTIC_RESTART_COUNT")) {
+      info.restartCount = restarts->value;
+    }
+    if (const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE")) {
+      info.useAgentStore = env::parseBool("TORCHELASTIC_USE_AGENT_STORE", *agent);
+    }
+  } else if (find(env, "SLURM_PROCID")) {
+    info.launcher = Launcher::Slurm;
+    rank = requiredInt(env, "SLURM_PROCID", "this looks like a Slurm step");
+    world = requiredInt(env, "SLURM_NTASKS", "SLURM_PROCID is");
+    localRank = optionalInt(env, "SLURM_LOCALID");
+    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (const std::string* text = find(env, name)) {
+        if (auto n = firstCount(*text)) {
+          localWorld = Field{*n, name};
+          break;
+        }
+      }
+    }
+    if (!localWorld) {
+      const std::string* nodes = find(env, "SLURM_JOB_NUM_NODES");
+      if (!nodes) {
+        nodes = find(env, "SLURM_NNODES");
+      }
+      if (nodes && env::parseInt("SLURM_JOB_NUM_NODES", *nodes) == 1) {
+        localWorld = Field{world.value, "SLURM_NTASKS (single node)"};
+      }
+    }
+    masterFromEnv();
+    if (!addr) {
+      if (const std::string* ip = find(env, "SLURM_LAUNCH_NODE_IPADDR")) {
+        addr = *ip;
+        addrFrom = "SLURM_LAUNCH_NODE_IPADDR";
+      } else if (const std::string* list = find(env, "SLURM_JOB_NODELIST")) {
+        addr = firstSlurmHost(*list);
+        addrFrom = "SLURM_JOB_NODELIST";
+      } else if (const std::string* list2 = find(env, "SLURM_NODELIST")) {
+        addr = firstSlurmHost(*list2);
+        addrFrom = "SLURM_NODELIST";
+      }
+    }
+    if (!port) {
+      if (const std::string* job = find(env, "SLURM_JOB_ID")) {
+        // A port per job, so two jobs sharing a node do not collide.
+        port = 20000 + static_cast<int>(env::parseInt("SLURM_JOB_ID", *job) % 10000);
+        portFrom = "SLURM_JOB_ID";
+      }
+    }
+  } else if (find(env, "OMPI_COMM_WORLD_RANK")) {
+    info.launcher = Launcher::OpenMpi;
+    rank = requiredInt(env, "OMPI_COMM_WORLD_RANK", "this looks like an Open MPI launch");
+    world = requiredInt(env, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK is");
+    localRank = optionalInt(env, "OMPI_COMM_WORLD_LOCAL_RANK");
+    localWorld = optionalInt(env, "OMPI_COMM_WORLD_LOCAL_SIZE");
+    masterFromEnv();
+    addrFrom = "MASTER_ADDR (pass it with mpirun -x MASTER_ADDR=<host of rank 0>)";
+    portFrom = "MASTER_PORT (pass it with mpirun -x MASTER_PORT=<free port>)";
+  }
+
+  // Explicit options win over every convention.
+  if (options.rank) {
+    rank = Field{*options.rank, "option rank"};
+  }
+  if (options.worldSize) {
+    world = Field{*options.worldSize, "option worldSize"};
+  }
+  if (options.rank && options.worldSize) {
+    info.launcher = Launcher::Explicit;
+  }
+  if (options.localRank) {
+    localRank = Field{*options.localRank, "option localRank"};
+  }
+  if (options.localWorldSize) {
+    localWorld = Field{*options.localWorldSize, "option localWorldSize"};
+  }
+  if (options.masterAddr) {
+    addr = *options.masterAddr;
+    addrFrom = "option masterAddr";
+  }
+  if (options.masterPort) {
+    port = *options.masterPort;
+    portFrom = "option masterPort";
+  }
+
+  HDDP_CHECK_AS(ConfigError, world.value >= 1, world.from, "=", world.value,
+                " is not a valid world size; it must be at least 1");
+  HDDP_CHECK_AS(ConfigError, rank.value >= 0 && rank.value < world.value, rank.from, "=",
+                rank.value, " is not below ", world.from, "=", world.value,
+                "; ranks run from 0 to ", world.value - 1);
+  if (!localRank) {
+    // Without local information assume one node (the usual hand-set case).
+    localRank = Field{rank.value, rank.from + " (no local rank given)"};
+  }
+  if (!localWorld) {
+    localWorld = Field{std::max(world.value, localRank->value + 1),
+                       world.from + " (no local world size given)"};
+  }
+  HDDP_CHECK_AS(ConfigError, localWorld->value >= 1 && localWorld->value <= world.value,
+                localWorld->from, "=", localWorld->value, " must be between 1 and ", world.from,
+                "=", world.value);
+  HDDP_CHECK_AS(ConfigError, localRank->value >= 0 && localRank->value < localWorld->value,
+                localRank->from, "=", localRank->value, " is not below ", localWorld->from, "=",
+                localWorld->value);
+  if (world.value > 1) {
+    HDDP_CHECK_AS(ConfigError, addr && !addr->empty(), addrFrom, " is not set but ",
+                  world.from, "=", world.value,
+                  ": ranks need the address of rank 0 to meet; set MASTER_ADDR");
+    HDDP_CHECK_AS(ConfigError, port.has_value(), portFrom, " is not set but ", world.from, "=",
+                  world.value, ": set MASTER_PORT to a free TCP port on rank 0's host");
+  }
+  if (port) {
+    HDDP_CHECK_AS(ConfigError, *port > 0 && *port < 65536, portFrom, "=", *port,
+                  " is not a TCP port (1..65535)");
+    info.masterPort = *port;
+  }
+  if (addr) {
+    info.masterAddr = *addr;
+  }
+  info.rank = rank.value;
+  info.worldSize = world.value;
+  info.localRank = localRank->value;
+  info.localWorldSize = localWorld->value;
+  return info;
+}
+
+c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allowShared) {
+  if (cudaDeviceCount <= 0) {
+    return c10::Device(c10::kCPU);
+  }
+  if (info.localRank >= cudaDeviceCount) {
+    HDDP_CHECK_AS(ConfigError, allowShared, "local rank ", info.localRank, " needs cuda:",
+                  info.localRank, " but only ", cudaDeviceCount,
+                  " CUDA device(s) are visible. Start at most ", cudaDeviceCount,
+                  " ranks per node (--nproc-per-node), check CUDA_VISIBLE_DEVICES, or set "
+                  "HDDP_ALLOW_SHARED_DEVICE=1 to share devices over Gloo (testing only)");
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info.localRank % cudaDeviceCount));
+  }
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info.localRank));
+}
+
+void checkDistinctDevices(const std::vector<std::string>& claims) {
+  std::map<std::string, size_t> firstClaim;
+  for (size_t r = 0; r < claims.size(); ++r) {
+    const auto bar = claims[r].find('|');
+    const std::string device = bar == std::string::npos ? claims[r] : claims[r].substr(bar + 1);
+    if (device.rfind("cuda", 0) != 0) {
+      continue;  // CPU ranks may share the host
+    }
+    auto inserted = firstClaim.emplace(claims[r], r);
+    HDDP_CHECK_AS(ConfigError, inserted.second, "duplicate GPU detected: ranks ",
+                  inserted.first->second, " and ", r, " both use ", device, " on host '",
+                  claims[r].substr(0, bar),
+                  "'. Each rank needs its own device: check LOCAL_RANK and "
+                  "CUDA_VISIBLE_DEVICES, or set HDDP_ALLOW_SHARED_DEVICE=1 with the Gloo "
+                  "backend to share one GPU for testing");
+  }
+}
+
+}  // namespace hddp

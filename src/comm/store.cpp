@@ -1,0 +1,162 @@
+#include "hddp/comm/store.h"
+
+#include "comm/errors.h"
+#include "comm/store_impl.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+namespace hddp {
+namespace {
+
+std::string keyList(const std::vector<std::string>& keys) {
+  std::string out;
+  for (size_t i = 0; i < keys.size() && i < 4; ++i) {
+    out += (i ? ", '" : "'") + keys[i] + "'";
+  }
+  if (keys.size() > 4) {
+    out += ", ... (" + std::to_string(keys.size()) + " keys)";
+  }
+  return out;
+}
+
+}  // namespace
+
+Store::Store(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {
+  HDDP_INTERNAL_ASSERT(impl_ && impl_->store, "Store without an underlying c10d store");
+}
+
+Store Store::tcp(const TcpStoreOptions& options) {
+  HDDP_CHECK_AS(ConfigError, !options.host.empty(), "TcpStoreOptions.host is empty; set it to "
+                "the address of rank 0 (MASTER_ADDR)");
+  HDDP_CHECK_AS(ConfigError, options.isServer || options.port != 0,
+                "TcpStoreOptions.port 0 only works for the server; clients need MASTER_PORT");
+  c10d::TCPStoreOptions opts;
+  opts.port = options.port;
+  opts.isServer = options.isServer;
+  if (options.worldSize > 0) {
+    opts.numWorkers = static_cast<size_t>(options.worldSize);
+  }
+  opts.waitWorkers = options.worldSize > 0;
+  opts.timeout = options.timeout;
+  auto impl = std::make_shared<Impl>();
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>(options.host, opts);
+    impl->port = store->getPort();
+    impl->store = store;
+  } catch (...) {
+    detail::rethrowAsDistributed(
+        std::string(options.isServer ? "starting the TCPStore server on "
+                                     : "connecting to the TCPStore at ") + where, true);
+  }
+  impl->description = "TCPStore " + options.host + ":" + std::to_string(impl->port);
+  HDDP_LOG_DEBUG("comm", options.isServer ? "hosting " : "joined ", impl->description);
+  return Store(std::move(impl));
+}
+
+Store Store::file(const std::string& path, int worldSize, std::chrono::milliseconds timeout) {
+  HDDP_CHECK_AS(ConfigError, !path.empty(), "Store::file needs a path");
+  HDDP_CHECK_AS(ConfigError, worldSize >= 1, "Store::file: worldSize must be >= 1, got ",
+                worldSize);
+  auto impl = std::make_shared<Impl>();
+  try {
+    impl->store = c10::make_intrusive<c10d::FileStore>(path, worldSize);
+    impl->store->setTimeout(timeout);
+  } catch (...) {
+    detail::rethrowAsDistributed("opening the file store " + path, true);
+  }
+  impl->description = "FileStore " + path;
+  return Store(std::move(impl));
+}
+
+Store Store::memory(std::chrono::milliseconds timeout) {
+  auto impl = std::make_shared<Impl>();
+  impl->store = c10::make_intrusive<c10d::HashStore>();
+  impl->store->setTimeout(timeout);
+  impl->description = "in-memory store";
+  return Store(std::move(impl));
+}
+
+Store Store::withPrefix(const std::string& prefix) const {
+  auto impl = std::make_shared<Impl>();
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
+  impl->port = impl_->port;
+  impl->description = impl_->description + " prefix '" + prefix + "'";
+  return Store(std::move(impl));
+}
+
+void Store::set(const std::string& key, const std::vector<uint8_t>& value) {
+  try {
+    impl_->store->set(key, value);
+  } catch (...) {
+    detail::rethrowAsDistributed("store set('" + key + "') on " + impl_->description, true);
+  }
+}
+
+void Store::set(const std::string& key, const std::string& value) {
+  set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::vector<uint8_t> Store::get(const std::string& key) {
+  try {
+    return impl_->store->get(key);
+  } catch (...) {
+    detail::rethrowAsDistributed("store get('" + key + "') on " + impl_->description, true);
+  }
+}
+
+std::string Store::getString(const std::string& key) {
+  auto bytes = get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+int64_t Store::add(const std::string& key, int64_t delta) {
+  try {
+    return impl_->store->add(key, delta);
+  } catch (...) {
+    detail::rethrowAsDistributed("store add('" + key + "') on " + impl_->description, true);
+  }
+}
+
+void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  try {
+    impl_->store->wait(keys, timeout);
+  } catch (...) {
+    detail::rethrowAsDistributed("store wait(" + keyList(keys) + ") on " + impl_->description,
+                                 true);
+  }
+}
+
+void Store::wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
+
+bool Store::check(const std::vector<std::string>& keys) {
+  try {
+    return impl_->store->check(keys);
+  } catch (...) {
+    detail::rethrowAsDistributed("store check(" + keyList(keys) + ") on " + impl_->description,
+                                 true);
+  }
+}
+
+bool Store::deleteKey(const std::string& key) {
+  try {
+    return impl_->store->deleteKey(key);
+  } catch (...) {
+    detail::rethrowAsDistributed("store delete('" + key + "') on " + impl_->description, true);
+  }
+}
+
+std::chrono::milliseconds Store::timeout() const { return impl_->store->getTimeout(); }
+
+void Store::setTimeout(std::chrono::milliseconds timeout) { impl_->store->setTimeout(timeout); }
+
+uint16_t Store::port() const { return impl_->port; }
+
+const std::string& Store::description() const { return impl_->description; }
+
+}  // namespace hddp

@@ -1,0 +1,63 @@
+#include "hddp/comm/work.h"
+
+#include "comm/errors.h"
+#include "comm/work_impl.h"
+#include "hddp/core/error.h"
+
+namespace hddp {
+
+Work::Work() : impl_(std::make_unique<Impl>()) { impl_->description = "no-op"; }
+Work::Work(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Work::~Work() = default;
+Work::Work(Work&&) noexcept = default;
+Work& Work::operator=(Work&&) noexcept = default;
+
+bool Work::isCompleted() const {
+  HDDP_CHECK(impl_, "Work used after it was moved from");
+  return !impl_->work || impl_->work->isCompleted();
+}
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  HDDP_CHECK(impl_, "Work used after it was moved from");
+  if (impl_->finished) {
+    return;
+  }
+  if (impl_->work) {
+    try {
+      impl_->work->wait(timeout.count() > 0 ? timeout : std::chrono::milliseconds(0));
+    } catch (...) {
+      impl_->finished = true;  // the error is reported once; the work is over either way
+      detail::rethrowAsDistributed(impl_->description, false);
+    }
+  }
+  impl_->finished = true;
+  if (impl_->onComplete) {
+    impl_->onComplete();
+  }
+}
+
+void Work::synchronize() {
+  HDDP_CHECK(impl_, "Work used after it was moved from");
+  if (impl_->finished) {
+    return;
+  }
+  if (impl_->work) {
+    try {
+      impl_->work->synchronize();
+    } catch (...) {
+      impl_->finished = true;
+      detail::rethrowAsDistributed(impl_->description, false);
+    }
+  }
+  impl_->finished = true;
+  if (impl_->onComplete) {
+    impl_->onComplete();
+  }
+}
+
+const std::string& Work::description() const {
+  HDDP_CHECK(impl_, "Work used after it was moved from");
+  return impl_->description;
+}
+
+}  // namespace hddp

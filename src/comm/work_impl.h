@@ -1,0 +1,18 @@
+#pragma once
+
+#include "hddp/comm/work.h"
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace hddp {
+
+struct Work::Impl {
+  /// Null for work that completed on creation (e.g. an empty tensor list).
+  c10::intrusive_ptr<c10d::Work> work;
+  /// Runs once after the collective completed (Avg division, unflattening, ...).
+  std::function<void()> onComplete;
+  std::string description;
+  bool finished = false;
+};
+
+}  // namespace hddp

@@ -1,0 +1,161 @@
+// Multi-process tests: initFromEnv over TCP, a killed rank, hddp-run's supervision.
+#include "hddp/comm/rendezvous.h"
+#include "hddp/core/error.h"
+
+#include "support/ranks.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+
+namespace {
+
+using hddp::testing::runProcesses;
+
+int freePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(Processes, InitFromEnvTorchrunStyle) {
+  auto outcomes = runProcesses(3, [](int rank, int size, hddp::Store& store) {
+    if (rank == 0) {
+      store.set("port", std::to_string(freePort()));
+    }
+    const std::string port = store.getString("port");
+    setenv("RANK", std::to_string(rank).c_str(), 1);
+    setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", port.c_str(), 1);
+    auto ctx = hddp::initFromEnv();
+    EXPECT_EQ(ctx.rank(), rank);
+    EXPECT_EQ(ctx.worldSize(), size);
+    EXPECT_EQ(ctx.info.launcher, hddp::Launcher::Torchrun);
+    EXPECT_TRUE(ctx.device.is_cpu());
+    auto t = torch::full({16}, float(rank));
+    ctx.communicator->allreduce(t).wait();
+    EXPECT_TRUE(t.equal(torch::full({16}, 3.0f)));
+  });
+  hddp::testing::expectAllSucceeded(outcomes);
+}
+
+TEST(Processes, KilledRankMakesTheOthersRaiseWithinTheTimeout) {
+  auto outcomes = runProcesses(3, [](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions opts;
+    opts.timeout = std::chrono::seconds(10);
+    auto comm = hddp::makeCommunicator(store, rank, size, opts);
+    auto t = torch::ones({1 << 16});
+    comm->allreduce(t).wait();  // everyone is connected and working
+    if (rank == 2) {
+      raise(SIGKILL);  // dies without a goodbye, as a crashed process would
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      for (int i = 0; i < 1000; ++i) {
+        auto u = torch::ones({1 << 16});
+        comm->allreduce(u).wait();
+      }
+      ADD_FAILURE() << "rank " << rank << ": collectives kept succeeding without rank 2";
+    } catch (const hddp::DistributedError& e) {
+      const std::string msg = e.what_without_backtrace();
+      std::fprintf(stderr, "rank %d got the expected error: %s\n", rank, msg.c_str());
+      EXPECT_NE(msg.find("allreduce(sum)"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank " + std::to_string(rank) + "/3"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("65536 elements"), std::string::npos) << msg;
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
+  });
+  ASSERT_EQ(outcomes.size(), 3u);
+  EXPECT_FALSE(outcomes[2].exited);
+  EXPECT_EQ(outcomes[2].signal, SIGKILL);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(outcomes[r].exited && outcomes[r].exitCode == 0)
+        << "rank " << r << " output:\n" << outcomes[r].output;
+  }
+}
+
+struct CommandResult {
+  int exitCode;
+  std::string output;
+  double seconds;
+};
+
+CommandResult runCommand(const std::string& command) {
+  const auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buf{};
+  while (pipe && fgets(buf.data(), buf.size(), pipe)) {
+    output += buf.data();
+  }
+  const int status = pipe ? pclose(pipe) : -1;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output, seconds};
+}
+
+std::string launcher() { return hddp::testing::toolsDir() + "/hddp-run"; }
+std::string worker() { return HDDP_TEST_WORKER; }
+
+TEST(HddpRun, RunsRanksWithTorchrunEnvironmentAndPrefixedOutput) {
+  auto r = runCommand(launcher() + " --nproc-per-node 3 -- " + worker() + " allreduce");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(r.output.find("[rank " + std::to_string(rank) + "] sum=3 restart=0 launcher=torchrun"),
+              std::string::npos)
+        << r.output;
+  }
+}
+
+TEST(HddpRun, FailedRankEndsTheJobAndIsNamed) {
+  auto r = runCommand(launcher() + " --nproc-per-node 3 --grace-period 2 -- " + worker() +
+                      " fail 1 7");
+  EXPECT_EQ(r.exitCode, 7) << r.output;
+  EXPECT_NE(r.output.find("rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 7"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60.0) << "the other ranks sleep 10 minutes unless stopped";
+}
+
+TEST(HddpRun, RestartsTheGroupWithIncrementedRestartCount) {
+  auto r = runCommand(launcher() + " --nproc-per-node 2 --max-restarts 2 --grace-period 2 -- " +
+                      worker() + " fail-once 0 3");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("restarting the group"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sum=2 restart=1"), std::string::npos) << r.output;
+}
+
+TEST(HddpRun, MissingProgramIsAUsageError) {
+  auto r = runCommand(launcher() + " --nproc-per-node 2");
+  EXPECT_EQ(r.exitCode, 2) << r.output;
+  EXPECT_NE(r.output.find("no program given"), std::string::npos) << r.output;
+  auto bad = runCommand(launcher() + " --nproc-per-node 1 -- /nonexistent/program");
+  EXPECT_EQ(bad.exitCode, 127) << bad.output;
+  EXPECT_NE(bad.output.find("cannot execute"), std::string::npos) << bad.output;
+}
+
+TEST(HddpRun, CtrlCStopsAllRanks) {
+  // SIGINT to hddp-run while the ranks sleep: all stop, exit code 130.
+  auto r = runCommand("( " + launcher() + " --nproc-per-node 2 --grace-period 2 -- " + worker() +
+                      " fail 5 1 & pid=$!; sleep 3; kill -INT $pid; wait $pid )");
+  EXPECT_EQ(r.exitCode, 128 + SIGINT) << r.output;
+  EXPECT_NE(r.output.find("received SIGINT"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 60.0);
+}
+
+}  // namespace

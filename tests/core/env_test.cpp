@@ -1,0 +1,126 @@
+#include "hddp/core/env.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+namespace {
+
+// Sets (or unsets) an environment variable for the scope of a test.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) {
+      old_ = old;
+      hadOld_ = true;
+    }
+    value ? setenv(name, value, 1) : unsetenv(name);
+  }
+  ~ScopedEnv() { hadOld_ ? setenv(name_.c_str(), old_.c_str(), 1) : unsetenv(name_.c_str()); }
+
+ private:
+  std::string name_;
+  std::string old_;
+  bool hadOld_ = false;
+};
+
+TEST(Env, PrecedenceExplicitOverEnvironmentOverDefault) {
+  ScopedEnv clear("HDDP_GLOO_THREADS", nullptr);
+  auto def = hddp::env::resolveInt("HDDP_GLOO_THREADS");
+  EXPECT_EQ(def.value, 2);
+  EXPECT_EQ(def.source, hddp::env::Source::Default);
+
+  ScopedEnv set("HDDP_GLOO_THREADS", "6");
+  auto fromEnv = hddp::env::resolveInt("HDDP_GLOO_THREADS");
+  EXPECT_EQ(fromEnv.value, 6);
+  EXPECT_EQ(fromEnv.source, hddp::env::Source::Environment);
+  EXPECT_EQ(fromEnv.setBy, "HDDP_GLOO_THREADS");
+
+  auto explicitWins = hddp::env::resolveInt("HDDP_GLOO_THREADS", 3);
+  EXPECT_EQ(explicitWins.value, 3);
+  EXPECT_EQ(explicitWins.source, hddp::env::Source::Explicit);
+}
+
+TEST(Env, LegacyAliasIsReadButCanonicalNameWins) {
+  ScopedEnv clear("HDDP_GLOO_INTERFACE", nullptr);
+  ScopedEnv alias("GLOO_SOCKET_IFNAME", "lo");
+  auto viaAlias = hddp::env::resolveString("HDDP_GLOO_INTERFACE");
+  EXPECT_EQ(viaAlias.value, "lo");
+  EXPECT_EQ(viaAlias.setBy, "GLOO_SOCKET_IFNAME");
+
+  ScopedEnv canonical("HDDP_GLOO_INTERFACE", "eth0");
+  auto both = hddp::env::resolveString("HDDP_GLOO_INTERFACE");
+  EXPECT_EQ(both.value, "eth0");
+  EXPECT_EQ(both.setBy, "HDDP_GLOO_INTERFACE");
+}
+
+TEST(Env, BadValuesNameTheVariableAndTheValue) {
+  ScopedEnv bad("HDDP_TIMEOUT_SEC", "ten");
+  try {
+    hddp::env::getInt("HDDP_TIMEOUT_SEC");
+    FAIL() << "expected a ConfigError";
+  } catch (const hddp::ConfigError& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("HDDP_TIMEOUT_SEC='ten' is not an integer"), std::string::npos) << msg;
+  }
+  ScopedEnv badBool("HDDP_ALLOW_SHARED_DEVICE", "perhaps");
+  EXPECT_THROW(hddp::env::getBool("HDDP_ALLOW_SHARED_DEVICE"), hddp::ConfigError);
+}
+
+TEST(Env, BoolSpellings) {
+  for (const char* yes : {"1", "true", "TRUE", "yes", "on", " On "}) {
+    EXPECT_TRUE(hddp::env::parseBool("X", yes)) << yes;
+  }
+  for (const char* no : {"0", "false", "no", "off", ""}) {
+    EXPECT_FALSE(hddp::env::parseBool("X", no)) << no;
+  }
+}
+
+TEST(Env, UnknownVariableIsAnError) {
+  EXPECT_THROW(hddp::env::resolveInt("HDDP_NO_SUCH_THING"), hddp::Error);
+}
+
+TEST(Env, DumpShowsValueAndWhoSetIt) {
+  ScopedEnv set("HDDP_GLOO_THREADS", "5");
+  ScopedEnv clear("HDDP_BACKEND", nullptr);
+  const std::string text = hddp::env::dump();
+  EXPECT_NE(text.find("HDDP_GLOO_THREADS"), std::string::npos);
+  EXPECT_NE(text.find("'5'"), std::string::npos) << text;
+  EXPECT_NE(text.find("from HDDP_GLOO_THREADS"), std::string::npos) << text;
+  // Every registered variable is listed.
+  for (const auto& var : hddp::env::registry()) {
+    EXPECT_NE(text.find(var.name), std::string::npos) << var.name;
+  }
+  for (const auto& s : hddp::env::describe()) {
+    if (s.name == "HDDP_BACKEND") {
+      EXPECT_EQ(s.source, hddp::env::Source::Default);
+      EXPECT_EQ(s.value, "auto");
+    }
+  }
+}
+
+TEST(Logging, ParseLevels) {
+  using hddp::log::Level;
+  EXPECT_EQ(hddp::log::parseLevel("DEBUG"), Level::Debug);
+  EXPECT_EQ(hddp::log::parseLevel("warning"), Level::Warn);
+  EXPECT_EQ(hddp::log::parseLevel("off"), Level::Off);
+  EXPECT_THROW(hddp::log::parseLevel("loud"), hddp::ConfigError);
+}
+
+TEST(Logging, LinesCarryRankAndLayerAndRespectTheLevel) {
+  ::testing::internal::CaptureStderr();
+  hddp::log::setLevel(hddp::log::Level::Info);
+  hddp::log::setRank(3);
+  HDDP_LOG_INFO("comm", "visible ", 42);
+  HDDP_LOG_DEBUG("comm", "hidden");
+  hddp::log::setRank(-1);
+  const std::string out = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(out.find("[rank 3]"), std::string::npos) << out;
+  EXPECT_NE(out.find("[hddp.comm]"), std::string::npos) << out;
+  EXPECT_NE(out.find("visible 42"), std::string::npos) << out;
+  EXPECT_EQ(out.find("hidden"), std::string::npos) << out;
+}
+
+}  // namespace

@@ -1,0 +1,27 @@
+// The process supervision behind hddp-run; no LibTorch here, it only starts programs.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace hddp {
+namespace run {
+
+struct LaunchConfig {
+  int nprocPerNode = 1;
+  int nnodes = 1;
+  int nodeRank = 0;
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 0;
+  int maxRestarts = 0;
+  double graceSeconds = 5.0;
+  bool noPrefix = false;
+  std::vector<std::string> command;
+};
+
+/// Runs the job; returns the exit status for hddp-run: 0 when every rank succeeded,
+/// else the failed rank's exit code (128 + signal when it was killed), 130 on Ctrl-C.
+int launch(const LaunchConfig& config);
+
+}  // namespace run
+}  // namespace hddp

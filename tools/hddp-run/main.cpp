@@ -1,0 +1,74 @@
+// hddp-run: a local launcher in the spirit of `torchrun --standalone`.
+//
+//   hddp-run --nproc-per-node 2 -- ./train --epochs 3
+//
+// Starts N ranks with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...,
+// MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT), prefixes their output with the
+// rank, forwards Ctrl-C / SIGTERM, and when one rank fails ends the others within
+// seconds and exits non-zero naming it. With --max-restarts K the whole group is
+// restarted up to K times (TORCHELASTIC_RESTART_COUNT incremented) so a program can
+// resume from its last saved state. See docs/launching.md.
+#include "launcher.h"
+
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+int main(int argc, char** argv) {
+  hddp::run::LaunchConfig config;
+  CLI::App app{"hddp-run: start the ranks of a data-parallel job on this node.\n"
+               "Usage: hddp-run [options] [--] program [args...]"};
+  app.prefix_command();  // everything from the program name on is the command
+  app.add_option("--nproc-per-node,--nproc_per_node", config.nprocPerNode,
+                 "Ranks to start on this node")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--nnodes", config.nnodes, "Number of nodes in the job")
+      ->check(CLI::Range(1, 65536))
+      ->capture_default_str();
+  app.add_option("--node-rank,--node_rank", config.nodeRank, "Index of this node (0..nnodes-1)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--master-addr,--master_addr", config.masterAddr,
+                 "Address of the node that runs rank 0")
+      ->capture_default_str();
+  app.add_option("--master-port,--master_port", config.masterPort,
+                 "TCP port of the rendezvous store on rank 0's node (0 = pick a free port; "
+                 "single node only)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  app.add_option("--max-restarts,--max_restarts", config.maxRestarts,
+                 "Restart the whole group up to this many times after a failure")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--grace-period", config.graceSeconds,
+                 "Seconds between SIGTERM and SIGKILL when stopping ranks")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_flag("--no-prefix", config.noPrefix, "Do not prefix output lines with [rank N]");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  config.command = app.remaining();
+  if (!config.command.empty() && config.command.front() == "--") {
+    config.command.erase(config.command.begin());
+  }
+  if (config.command.empty()) {
+    std::cerr << "hddp-run: no program given. Usage: hddp-run --nproc-per-node N -- program "
+                 "[args...]\n";
+    return 2;
+  }
+  if (config.nodeRank >= config.nnodes) {
+    std::cerr << "hddp-run: --node-rank " << config.nodeRank << " must be below --nnodes "
+              << config.nnodes << "\n";
+    return 2;
+  }
+  if (config.nnodes > 1 && config.masterPort == 0) {
+    std::cerr << "hddp-run: with --nnodes > 1 every node needs the same --master-port; "
+                 "choose a free port on the node of rank 0\n";
+    return 2;
+  }
+  return hddp::run::launch(config);
+}

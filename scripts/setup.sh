@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Installs what hddp needs on Debian 12, only what is missing (idempotent):
+#   - Debian packages: compilers and tools, spdlog, fmt, CLI11, nlohmann-json, stb, zlib,
+#     GoogleTest, ccache, Ninja, Fashion-MNIST;
+#   - the torch wheel (LibTorch, pinned to the GPU machine's 2.11.0) in a virtual
+#     environment outside the repository, $HDDP_VENV (default /opt/hddp-venv).
+# Prints the Python to use. Safe to run again; does nothing when all is there.
+set -euo pipefail
+
+TORCH_VERSION=${HDDP_TORCH_VERSION:-2.11.0}
+VENV=${HDDP_VENV:-/opt/hddp-venv}
+APT_PACKAGES=(build-essential cmake ninja-build ccache git python3 python3-venv
+  libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev
+  libgtest-dev dataset-fashion-mnist)
+
+log() { echo "setup: $*" >&2; }
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+  if command -v sudo >/dev/null; then SUDO=sudo; fi
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q >&2
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}" >&2
+fi
+
+# A Python that can make virtual environments (the image's own python3 may not be Debian's).
+PY=${HDDP_BOOTSTRAP_PYTHON:-python3}
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  :
+else
+  log "installing torch==$TORCH_VERSION into $VENV (a CUDA build of LibTorch; a few GB, once per machine)"
+  $SUDO mkdir -p "$(dirname "$VENV")"
+  [ -x "$VENV/bin/python" ] || $SUDO "$PY" -m venv "$VENV"
+  $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy >&2
+fi
+echo "$VENV/bin/python"

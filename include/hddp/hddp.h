@@ -12,3 +12,5 @@
 #include "hddp/comm/rendezvous.h"
 #include "hddp/comm/store.h"
 #include "hddp/comm/work.h"
+
+#include "hddp/ddp/distributed_data_parallel.h"

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <mutex>
 
 namespace hddp {
 
@@ -65,6 +66,11 @@ c10d::ReduceOp toC10d(ReduceOp op) {
       return c10d::ReduceOp(c10d::ReduceOp::MIN);
   }
   HDDP_INTERNAL_ASSERT(false, "unhandled ReduceOp ", static_cast<int>(op));
+}
+
+std::mutex& launchMutex() {
+  static std::mutex m;
+  return m;
 }
 
 std::string describeTensors(const std::vector<at::Tensor>& tensors) {
@@ -279,6 +285,12 @@ class C10dCommunicator final : public Communicator {
     auto impl = std::make_unique<Work::Impl>();
     impl->description = what;
     try {
+      // c10d's FlightRecorder (torch 2.11) updates a process-wide map before taking its
+      // own lock when a collective is enqueued; launches from several communicators on
+      // several threads crash in it. Launching is only enqueueing (microseconds), so
+      // serialising it per process costs nothing measurable; the collectives still run
+      // concurrently.
+      std::lock_guard<std::mutex> lock(launchMutex());
       impl->work = fn();
     } catch (...) {
       detail::rethrowAsDistributed(what, false);

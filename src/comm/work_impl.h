@@ -16,3 +16,20 @@ struct Work::Impl {
 };
 
 }  // namespace hddp
+
+namespace hddp {
+namespace detail {
+
+/// Runs `fn` (on a backend thread) when `work` completes; at once if it already has.
+inline void onCompletion(Work& work, std::function<void()> fn) {
+  auto* impl = work.impl();
+  if (!impl || !impl->work) {
+    fn();
+    return;
+  }
+  impl->work->getFuture()->addCallback(
+      [fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
+}
+
+}  // namespace detail
+}  // namespace hddp

@@ -34,6 +34,7 @@ class Work {
 
   struct Impl;
   explicit Work(std::unique_ptr<Impl> impl);
+  Impl* impl() { return impl_.get(); }
 
  private:
   std::unique_ptr<Impl> impl_;

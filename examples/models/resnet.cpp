@@ -1,0 +1,111 @@
+#include "resnet.h"
+
+#include "hddp/core/error.h"
+
+#include <torch/nn/functional.h>
+#include <torch/nn/init.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/pooling.h>
+
+namespace hddp {
+namespace models {
+namespace {
+
+namespace nn = torch::nn;
+
+nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride) {
+  return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2).bias(false));
+}
+
+struct BlockImpl : nn::Module {
+  BlockImpl(int64_t in, int64_t width, int64_t stride, bool bottleneck) : bottleneck(bottleneck) {
+    const int64_t out = bottleneck ? width * 4 : width;
+    if (bottleneck) {
+      body = register_module("body", nn::Sequential(conv(in, width, 1, 1), nn::BatchNorm2d(width), nn::ReLU(true),
+                                                    conv(width, width, 3, stride), nn::BatchNorm2d(width),
+                                                    nn::ReLU(true), conv(width, out, 1, 1), nn::BatchNorm2d(out)));
+    } else {
+      body = register_module("body", nn::Sequential(conv(in, width, 3, stride), nn::BatchNorm2d(width),
+                                                    nn::ReLU(true), conv(width, out, 3, 1), nn::BatchNorm2d(out)));
+    }
+    if (stride != 1 || in != out) {
+      shortcut = register_module("shortcut", nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out)));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = body->forward(x);
+    return torch::relu(y + (shortcut ? shortcut->forward(x) : x));
+  }
+  bool bottleneck;
+  nn::Sequential body{nullptr};
+  nn::Sequential shortcut{nullptr};
+};
+TORCH_MODULE(Block);
+
+}  // namespace
+
+bool isResNetArch(const std::string& arch) {
+  for (const char* a : {"resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}) {
+    if (arch == a) {
+      return true;
+    }
+  }
+  return false;
+}
+
+ResNetImpl::ResNetImpl(const ResNetOptions& o) {
+  HDDP_CHECK(isResNetArch(o.arch), "unknown ResNet '", o.arch,
+             "'; use resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50");
+  HDDP_CHECK(o.inChannels > 0 && o.numClasses > 1 && o.imageSize >= 8, "bad ResNet options: ", o.inChannels,
+             " input channels, ", o.numClasses, " classes, ", o.imageSize, " px");
+  std::vector<int64_t> blocks;
+  std::vector<int64_t> widths;
+  bool bottleneck = false;
+  int64_t stemWidth = 64;
+  const bool cifar = o.arch == "resnet20" || o.arch == "resnet32" || o.arch == "resnet56";
+  if (cifar) {
+    const int64_t n = o.arch == "resnet20" ? 3 : o.arch == "resnet32" ? 5 : 9;
+    blocks = {n, n, n};
+    widths = {16, 32, 64};
+    stemWidth = 16;
+  } else {
+    blocks = o.arch == "resnet18" ? std::vector<int64_t>{2, 2, 2, 2} : std::vector<int64_t>{3, 4, 6, 3};
+    widths = {64, 128, 256, 512};
+    bottleneck = o.arch == "resnet50";
+  }
+  nn::Sequential stem;
+  if (cifar || o.imageSize <= 64) {
+    stem = nn::Sequential(conv(o.inChannels, stemWidth, 3, 1), nn::BatchNorm2d(stemWidth), nn::ReLU(true));
+  } else {
+    stem = nn::Sequential(conv(o.inChannels, stemWidth, 7, 2), nn::BatchNorm2d(stemWidth), nn::ReLU(true),
+                          nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
+  }
+  stages_.push_back(register_module("stem", stem));
+  int64_t in = stemWidth;
+  for (size_t s = 0; s < blocks.size(); ++s) {
+    nn::Sequential stage;
+    for (int64_t b = 0; b < blocks[s]; ++b) {
+      const int64_t stride = (b == 0 && s > 0) ? 2 : 1;
+      stage->push_back(Block(in, widths[s], stride, bottleneck));
+      in = bottleneck ? widths[s] * 4 : widths[s];
+    }
+    stages_.push_back(register_module("stage" + std::to_string(s + 1), stage));
+  }
+  fc_ = register_module("fc", nn::Linear(in, o.numClasses));
+  for (auto& m : modules(/*include_self=*/false)) {
+    if (auto* c = m->as<nn::Conv2d>()) {
+      nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
+    }
+  }
+}
+
+torch::Tensor ResNetImpl::forward(torch::Tensor x) {
+  for (auto& stage : stages_) {
+    x = stage->forward(x);
+  }
+  x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+  return fc_->forward(x);
+}
+
+}  // namespace models
+}  // namespace hddp

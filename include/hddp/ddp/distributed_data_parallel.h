@@ -1,0 +1,161 @@
+// DistributedDataParallel: the C++ port of PyTorch's DDP, extended to unequal local
+// batches with exactly weighted gradients.
+//
+// Each step every rank tells the engine its local batch b_i and the global batch B
+// (setBatch). During backward, every incoming gradient is scaled by b_i / B as it
+// arrives, gradients are packed into buckets (reverse parameter order, a small first
+// bucket, then up to 25 MiB, as PyTorch), and each bucket is allreduced (SUM) as soon
+// as its last gradient is ready, overlapping communication with the rest of backward.
+// When backward ends the engine waits for the buckets, so after `loss.backward()`
+// returns, every rank holds the gradient of the mean loss over all B samples: the
+// gradient of single-device training on the concatenated batch, whatever the split.
+//
+//   hddp::DistributedDataParallel ddp(model, *ctx.communicator);
+//   for (...) {
+//     ddp.setBatch(x.size(0), globalBatch);
+//     optimizer.zero_grad();
+//     auto loss = torch::nll_loss(model->forward(x), y);   // mean over the local batch
+//     loss.backward();                                    // gradients synchronized here
+//     optimizer.step();
+//   }
+//
+// A rank with no samples in a step (b_i = 0) calls `ddp.finalize()` instead of
+// backward; it contributes zeros and receives the others' gradients.
+// Gradient accumulation: inside `auto guard = ddp.noSync();` backward only
+// accumulates (still weighted); the next synchronized backward communicates once.
+// Pass each micro-step's own b and the B of the whole optimizer step.
+//
+// Not thread-safe: one training loop per instance. The communicator must outlive it.
+#pragma once
+
+#include "hddp/comm/communicator.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+}  // namespace torch
+
+namespace hddp {
+
+enum class BufferSync {
+  /// Buffers (e.g. BatchNorm running statistics) are broadcast from rank 0 together
+  /// with the gradients, every `bufferSyncInterval` steps, at the end of backward:
+  /// no second synchronisation point per step. Default.
+  WithGradients,
+  /// PyTorch's behaviour: call `syncBuffers()` before each forward. Costly with unlike
+  /// ranks: it serialises the slow rank's work after the allreduce with the fast
+  /// rank's compute.
+  BeforeForward,
+  /// Never synchronise buffers after construction.
+  None,
+};
+
+enum class GradCompression {
+  None,
+  /// Buckets are cast to float16 for the allreduce and back (half the bytes on the
+  /// wire; ~3 significant digits per element, values beyond 65504 overflow).
+  Fp16,
+  /// Buckets are cast to bfloat16 (half the bytes, float32's range, ~2-3 digits).
+  Bf16,
+};
+
+struct DdpOptions {
+  /// Cap of the first bucket (the last gradients of backward). Default 1 MiB, as PyTorch.
+  int64_t firstBucketBytes = 1 << 20;
+  /// Cap of the other buckets. Default 25 MiB, as PyTorch.
+  int64_t bucketCapBytes = 25 << 20;
+  /// Rebuild the buckets once, after the first step, from the order in which
+  /// gradients actually became ready (rank 0's order, shared). Default true.
+  bool rebuildBuckets = true;
+  /// Parameters that get no gradient in a step are treated as zero instead of an
+  /// error. Default false (an unused parameter is reported, naming it).
+  bool findUnusedParameters = false;
+  /// Gradients are views into the bucket buffers (no copy per step). Default true.
+  bool gradientAsBucketView = true;
+  /// Broadcast parameters and buffers from rank 0 at construction. Default true.
+  bool broadcastOnConstruction = true;
+  BufferSync bufferSync = BufferSync::WithGradients;
+  /// With BufferSync::WithGradients: every this many synchronized steps. Default 1.
+  int bufferSyncInterval = 1;
+  GradCompression compression = GradCompression::None;
+};
+
+/// What the last synchronized step did (for metrics, benchmarks and tests).
+struct DdpStepStats {
+  int buckets = 0;
+  /// Buckets whose allreduce was launched while backward was still running.
+  int bucketsLaunchedDuringBackward = 0;
+  /// Seconds from the first bucket's launch to the last bucket's completion.
+  double communicationSeconds = 0;
+  /// Seconds the end of backward spent waiting for communication (not hidden).
+  double waitSeconds = 0;
+  /// Parameters that received no gradient (zeros were sent for them).
+  int unusedParameters = 0;
+};
+
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Communicator& communicator,
+                          DdpOptions options = {});
+  /// Any module holder (torch::nn::Linear, a TORCH_MODULE type, ...).
+  template <typename Holder, typename = decltype(std::declval<Holder>().ptr())>
+  DistributedDataParallel(const Holder& holder, Communicator& communicator, DdpOptions options = {})
+      : DistributedDataParallel(std::static_pointer_cast<torch::nn::Module>(holder.ptr()),
+                                communicator, std::move(options)) {}
+  ~DistributedDataParallel();
+
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// This rank's samples in the coming backward and the global batch of the optimizer
+  /// step (all ranks, all accumulated micro-steps). Gradients are scaled by local/global.
+  void setBatch(int64_t localBatch, int64_t globalBatch);
+
+  /// RAII scope in which backward accumulates gradients without communicating.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(DistributedDataParallel& ddp);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSyncGuard noSync() { return NoSyncGuard(*this); }
+
+  /// Completes the step's gradient synchronization. Called automatically at the end of
+  /// a synchronized backward; call it yourself when this rank ran no backward in the
+  /// step (b_i = 0): it then contributes zero gradients. A no-op when already done.
+  void finalize();
+
+  /// Broadcasts buffers from rank 0 now (BufferSync::BeforeForward: before forward).
+  void syncBuffers();
+
+  torch::nn::Module& module();
+  const std::shared_ptr<torch::nn::Module>& modulePtr() const;
+  Communicator& communicator();
+  const DdpOptions& options() const;
+
+  /// The parameter names of each bucket, in bucket order (for inspection and tests).
+  std::vector<std::vector<std::string>> bucketLayout() const;
+  const DdpStepStats& lastStepStats() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hddp

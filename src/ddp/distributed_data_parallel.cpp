@@ -1,0 +1,528 @@
+#include "hddp/ddp/distributed_data_parallel.h"
+
+#include "comm/work_impl.h"
+#include "ddp/coalesced.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <sstream>
+
+namespace hddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+class DistributedDataParallel::Impl {
+ public:
+  struct Param {
+    at::Tensor tensor;
+    std::string name;
+    int bucket = -1;
+    int64_t offset = 0;  // elements into the bucket's flat buffer
+    bool ready = false;
+    std::shared_ptr<torch::autograd::Node> accumulator;
+    uintptr_t postHookKey = 0;
+    unsigned preHookIndex = 0;
+  };
+
+  struct Bucket {
+    std::vector<int> params;
+    at::Tensor flat;
+    at::Tensor wire;  // compressed copy on the wire, when compressing
+    int pending = 0;
+    bool launched = false;
+    Work work;
+    Clock::time_point launchedAt;
+    // Written by the backend's completion callback, which may run after wait()
+    // returned (c10's Future wakes waiters before running callbacks): shared ownership.
+    std::shared_ptr<std::atomic<int64_t>> completedAtNs;
+  };
+
+  Impl(std::shared_ptr<torch::nn::Module> module, Communicator& comm, DdpOptions options)
+      : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
+    HDDP_CHECK(module_, "DistributedDataParallel needs a module, got a null pointer");
+    HDDP_CHECK(options_.firstBucketBytes > 0 && options_.bucketCapBytes > 0,
+               "DdpOptions bucket sizes must be positive, got firstBucketBytes=",
+               options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
+    HDDP_CHECK(options_.bufferSyncInterval >= 1, "DdpOptions::bufferSyncInterval must be >= 1, got ",
+               options_.bufferSyncInterval);
+    for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+      if (item.value().requires_grad()) {
+        Param p;
+        p.tensor = item.value();
+        p.name = item.key();
+        params_.push_back(std::move(p));
+      } else {
+        frozen_.push_back(item.value());
+        frozenNames_.push_back(item.key());
+      }
+    }
+    for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
+      buffers_.push_back(item.value());
+      bufferNames_.push_back(item.key());
+    }
+    weight_ = 1.0 / comm_.size();
+    checkModelsAgree();
+    if (options_.broadcastOnConstruction && comm_.size() > 1) {
+      std::vector<at::Tensor> all;
+      for (const auto& p : params_) {
+        all.push_back(p.tensor);
+      }
+      all.insert(all.end(), frozen_.begin(), frozen_.end());
+      all.insert(all.end(), buffers_.begin(), buffers_.end());
+      detail::broadcastCoalesced(comm_, all, 0);
+    }
+    std::vector<int> order;
+    for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
+      order.push_back(i);
+    }
+    buildBuckets(order);
+    registerHooks();
+    HDDP_LOG_INFO("ddp", "wrapping ", params_.size(), " parameters (", frozen_.size(), " frozen) and ",
+                  buffers_.size(), " buffers in ", buckets_.size(), " bucket(s); rank ", comm_.rank(),
+                  "/", comm_.size());
+  }
+
+  ~Impl() {
+    for (auto& p : params_) {
+      try {
+        if (p.accumulator) {
+          p.accumulator->del_post_hook(p.postHookKey);
+        }
+        p.tensor.remove_hook(p.preHookIndex);
+      } catch (const std::exception& e) {
+        HDDP_LOG_WARN("ddp", "removing the hooks of '", p.name, "': ", e.what());
+      }
+    }
+  }
+
+  void setBatch(int64_t local, int64_t global) {
+    HDDP_CHECK(global > 0, "setBatch: the global batch must be positive, got ", global);
+    HDDP_CHECK(local >= 0 && local <= global, "setBatch: the local batch ", local,
+               " must be between 0 and the global batch ", global);
+    weight_ = static_cast<double>(local) / static_cast<double>(global);
+  }
+
+  void setNoSync(bool on) { noSync_ = on; }
+  bool noSync() const { return noSync_; }
+
+  // ---- hooks -------------------------------------------------------------------
+
+  void registerHooks() {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Param& p = params_[i];
+      // Weighting, applied to every gradient as it arrives (also under noSync, so
+      // accumulated micro-steps carry their own b/B).
+      p.preHookIndex = p.tensor.register_hook([this](const at::Tensor& grad) -> at::Tensor {
+        return weight_ == 1.0 ? grad : grad * weight_;
+      });
+      p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+      HDDP_INTERNAL_ASSERT(p.accumulator, "no gradient accumulator for parameter ", p.name);
+      const int index = static_cast<int>(i);
+      p.postHookKey = p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [this, index](const torch::autograd::variable_list& outputs,
+                        const torch::autograd::variable_list& /*inputs*/) {
+            onGradientReady(index);
+            return outputs;
+          }));
+    }
+  }
+
+  void onGradientReady(int index) {
+    if (noSync_) {
+      return;
+    }
+    if (!stepActive_) {
+      beginStep();
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    }
+    markReady(index, /*duringBackward=*/true);
+  }
+
+  void beginStep() {
+    stepActive_ = true;
+    nextBucket_ = 0;
+    stats_ = DdpStepStats{};
+    stats_.buckets = static_cast<int>(buckets_.size());
+    for (auto& p : params_) {
+      p.ready = false;
+    }
+    readyCount_ = 0;
+    for (auto& b : buckets_) {
+      b.pending = static_cast<int>(b.params.size());
+      b.launched = false;
+      b.completedAtNs = std::make_shared<std::atomic<int64_t>>(0);
+    }
+    if (recordOrder_) {
+      readyOrder_.clear();
+    }
+  }
+
+  // The parameter's slice of its bucket, as a tensor that shares the bucket's storage
+  // without being an autograd view: LibTorch's C++ Optimizer::zero_grad() calls
+  // detach_() on every gradient, which views refuse.
+  at::Tensor sliceOf(const Param& p) {
+    const Bucket& b = buckets_[p.bucket];
+    at::Tensor alias = at::empty({0}, b.flat.options());
+    alias.set_(b.flat.storage(), b.flat.storage_offset() + p.offset, p.tensor.sizes(),
+               c10::contiguous_strides(p.tensor.sizes()));
+    return alias;
+  }
+
+  void markReady(int index, bool duringBackward) {
+    Param& p = params_[index];
+    HDDP_CHECK(!p.ready, "parameter '", p.name, "' received a gradient twice in one step. ",
+               "Is it used in two backward passes before the step ended? Use noSync() for "
+               "gradient accumulation, and non-reentrant activation checkpointing.");
+    p.ready = true;
+    ++readyCount_;
+    if (recordOrder_) {
+      readyOrder_.push_back(index);
+    }
+    at::Tensor view = sliceOf(p);
+    at::Tensor& grad = p.tensor.mutable_grad();
+    if (!grad.defined()) {
+      view.zero_();  // unused parameter (or a rank without samples): contributes zeros
+      if (options_.gradientAsBucketView) {
+        grad = view;
+      }
+    } else if (grad.data_ptr() != view.data_ptr()) {
+      view.copy_(grad);
+      if (options_.gradientAsBucketView) {
+        grad = view;
+      }
+    }
+    Bucket& b = buckets_[p.bucket];
+    if (--b.pending == 0) {
+      launchReadyBuckets(duringBackward);
+    }
+  }
+
+  // Buckets are launched strictly in index order, so every rank issues the same
+  // collectives in the same order.
+  void launchReadyBuckets(bool duringBackward) {
+    while (nextBucket_ < static_cast<int>(buckets_.size()) && buckets_[nextBucket_].pending == 0) {
+      Bucket& b = buckets_[nextBucket_];
+      b.launchedAt = Clock::now();
+      if (options_.compression == GradCompression::None) {
+        b.work = comm_.allreduce(b.flat);
+      } else {
+        b.wire = b.flat.to(options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
+        b.work = comm_.allreduce(b.wire);
+      }
+      detail::onCompletion(b.work, [done = b.completedAtNs] {
+        done->store(Clock::now().time_since_epoch().count());
+      });
+      b.launched = true;
+      // "During backward": gradients of other parameters were still to come.
+      if (duringBackward && readyCount_ < params_.size()) {
+        ++stats_.bucketsLaunchedDuringBackward;
+      }
+      ++nextBucket_;
+    }
+  }
+
+  // ---- end of step ----------------------------------------------------------------
+
+  void finalize() {
+    if (noSync_) {
+      HDDP_CHECK(false, "finalize() inside noSync(): gradients are only synchronized "
+                        "outside the noSync scope");
+    }
+    const bool ranBackward = stepActive_;
+    if (!ranBackward) {
+      beginStep();  // a rank without samples this step: everything contributes zeros
+    }
+    std::vector<std::string> unused;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!params_[i].ready) {
+        if (ranBackward) {
+          unused.push_back(params_[i].name);
+        }
+        markReady(static_cast<int>(i), /*duringBackward=*/false);
+      }
+    }
+    stats_.unusedParameters = static_cast<int>(unused.size());
+    const auto waitStart = Clock::now();
+    std::exception_ptr failure;
+    for (auto& b : buckets_) {
+      try {
+        b.work.wait();
+      } catch (...) {
+        if (!failure) {
+          failure = std::current_exception();
+        }
+      }
+    }
+    const auto waitEnd = Clock::now();
+    stepActive_ = false;
+    if (failure) {
+      std::rethrow_exception(failure);
+    }
+    stats_.waitSeconds = ranBackward ? secondsBetween(waitStart, waitEnd) : 0.0;
+    int64_t lastDone = 0;
+    for (auto& b : buckets_) {
+      lastDone = std::max(lastDone, b.completedAtNs->load());
+    }
+    if (!buckets_.empty()) {
+      const auto last = Clock::time_point(Clock::duration(lastDone));
+      stats_.communicationSeconds = secondsBetween(buckets_.front().launchedAt, std::max(last, waitStart));
+    }
+    for (auto& b : buckets_) {
+      if (b.wire.defined()) {
+        b.flat.copy_(b.wire);
+      }
+    }
+    if (!options_.gradientAsBucketView) {
+      for (auto& p : params_) {
+        at::Tensor& grad = p.tensor.mutable_grad();
+        if (grad.defined()) {
+          grad.copy_(sliceOf(p));
+        } else {
+          grad = sliceOf(p).clone();
+        }
+      }
+    }
+    ++step_;
+    if (options_.bufferSync == BufferSync::WithGradients && !buffers_.empty() &&
+        step_ % options_.bufferSyncInterval == 0) {
+      syncBuffers();
+    }
+    if (recordOrder_) {
+      // Every rank takes this branch after its first synchronized step (whether or not
+      // it had samples), so the broadcast of rank 0's order is matched everywhere.
+      recordOrder_ = false;
+      if (options_.rebuildBuckets && comm_.size() > 1) {
+        rebuildFromObservedOrder();
+      }
+    }
+    if (!unused.empty() && !options_.findUnusedParameters) {
+      std::ostringstream names;
+      for (size_t i = 0; i < unused.size() && i < 8; ++i) {
+        names << (i ? ", " : "") << "'" << unused[i] << "'";
+      }
+      if (unused.size() > 8) {
+        names << ", ... (" << unused.size() << " in all)";
+      }
+      HDDP_THROW(Error, "parameter(s) ", names.str(), " received no gradient in this backward ",
+                 "(rank ", comm_.rank(), "). Zeros were sent for them so no rank hangs. If your "
+                 "model skips these parameters on purpose, set DdpOptions::findUnusedParameters "
+                 "= true; otherwise make sure the loss depends on them.");
+    }
+  }
+
+  void syncBuffers() {
+    if (comm_.size() > 1 && !buffers_.empty()) {
+      detail::broadcastCoalesced(comm_, buffers_, 0);
+    }
+  }
+
+  // ---- buckets ----------------------------------------------------------------------
+
+  void buildBuckets(const std::vector<int>& order) {
+    struct Open {
+      int bucket = -1;
+      int64_t bytes = 0;
+      int filled = 0;  // buckets closed so far for this dtype/device
+    };
+    std::map<std::pair<int, std::string>, Open> open;
+    std::vector<std::vector<int>> assignment;
+    for (int index : order) {
+      const at::Tensor& t = params_[index].tensor;
+      auto key = std::make_pair(static_cast<int>(t.scalar_type()), t.device().str());
+      Open& o = open[key];
+      const int64_t cap = o.filled == 0 ? options_.firstBucketBytes : options_.bucketCapBytes;
+      if (o.bucket < 0) {
+        o.bucket = static_cast<int>(assignment.size());
+        assignment.emplace_back();
+      }
+      assignment[o.bucket].push_back(index);
+      o.bytes += t.numel() * static_cast<int64_t>(t.element_size());
+      if (o.bytes >= cap) {
+        o.bucket = -1;
+        o.bytes = 0;
+        ++o.filled;
+      }
+    }
+    std::vector<Bucket> buckets(assignment.size());
+    for (size_t bi = 0; bi < assignment.size(); ++bi) {
+      Bucket& b = buckets[bi];
+      b.params = assignment[bi];
+      int64_t total = 0;
+      for (int index : b.params) {
+        total += params_[index].tensor.numel();
+      }
+      const at::Tensor& first = params_[b.params.front()].tensor;
+      b.flat = at::zeros({total}, first.options().requires_grad(false));
+    }
+    // Move current gradients into the new buffers.
+    std::vector<at::Tensor> oldGrads;
+    for (auto& p : params_) {
+      oldGrads.push_back(p.tensor.grad().defined() ? p.tensor.grad().detach().clone() : at::Tensor());
+    }
+    buckets_ = std::move(buckets);
+    for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+      int64_t offset = 0;
+      for (int index : buckets_[bi].params) {
+        params_[index].bucket = static_cast<int>(bi);
+        params_[index].offset = offset;
+        offset += params_[index].tensor.numel();
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (oldGrads[i].defined()) {
+        at::Tensor view = sliceOf(params_[i]);
+        view.copy_(oldGrads[i]);
+        if (options_.gradientAsBucketView) {
+          params_[i].tensor.mutable_grad() = view;
+        }
+      }
+    }
+  }
+
+  void rebuildFromObservedOrder() {
+    // Rank 0's order is the one everybody uses: ranks may observe different orders.
+    at::Tensor order = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
+    for (size_t i = 0; i < readyOrder_.size() && i < params_.size(); ++i) {
+      order[i] = readyOrder_[i];
+    }
+    if (comm_.device().is_cuda()) {
+      at::Tensor onDevice = order.to(comm_.device());
+      comm_.broadcast(onDevice, 0).wait();
+      order = onDevice.cpu();
+    } else {
+      comm_.broadcast(order, 0).wait();
+    }
+    std::vector<int> rebuilt(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+    std::vector<int> sorted = rebuilt;
+    std::sort(sorted.begin(), sorted.end());
+    for (size_t i = 0; i < sorted.size(); ++i) {
+      HDDP_INTERNAL_ASSERT(sorted[i] == static_cast<int>(i), "observed gradient order is not a permutation");
+    }
+    buildBuckets(rebuilt);
+    HDDP_LOG_DEBUG("ddp", "rebuilt ", buckets_.size(), " bucket(s) from the observed gradient order");
+  }
+
+  // ---- construction check -------------------------------------------------------------
+
+  void checkModelsAgree() {
+    std::ostringstream sig;
+    auto describe = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
+      sig << kind << ' ' << name << ' ' << t.scalar_type() << ' ' << t.sizes() << '\n';
+    };
+    for (const auto& p : params_) {
+      describe("param", p.name, p.tensor);
+    }
+    for (size_t i = 0; i < frozen_.size(); ++i) {
+      describe("frozen", frozenNames_[i], frozen_[i]);
+    }
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      describe("buffer", bufferNames_[i], buffers_[i]);
+    }
+    const std::string mine = sig.str();
+    if (comm_.size() == 1) {
+      return;
+    }
+    auto all = comm_.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
+    const std::string reference(all[0].begin(), all[0].end());
+    for (int r = 1; r < comm_.size(); ++r) {
+      const std::string other(all[r].begin(), all[r].end());
+      if (other == reference) {
+        continue;
+      }
+      std::istringstream a(reference);
+      std::istringstream b(other);
+      std::string la;
+      std::string lb;
+      int line = 0;
+      while (true) {
+        const bool ga = static_cast<bool>(std::getline(a, la));
+        const bool gb = static_cast<bool>(std::getline(b, lb));
+        if (!ga || !gb || la != lb) {
+          HDDP_THROW(ConfigError, "the model differs between rank 0 and rank ", r, " at entry ", line,
+                     ": rank 0 has '", ga ? la : std::string("nothing more"), "', rank ", r, " has '",
+                     gb ? lb : std::string("nothing more"),
+                     "'. Every rank must build the same model (same layers, shapes, dtypes and "
+                     "requires_grad flags) before wrapping it.");
+        }
+        ++line;
+      }
+    }
+  }
+
+  std::vector<std::vector<std::string>> layout() const {
+    std::vector<std::vector<std::string>> out;
+    for (const auto& b : buckets_) {
+      out.emplace_back();
+      for (int index : b.params) {
+        out.back().push_back(params_[index].name);
+      }
+    }
+    return out;
+  }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Communicator& comm_;
+  DdpOptions options_;
+  std::vector<Param> params_;
+  std::vector<at::Tensor> frozen_;
+  std::vector<std::string> frozenNames_;
+  std::vector<at::Tensor> buffers_;
+  std::vector<std::string> bufferNames_;
+  std::vector<Bucket> buckets_;
+  double weight_ = 1.0;
+  bool noSync_ = false;
+  bool stepActive_ = false;
+  int nextBucket_ = 0;
+  size_t readyCount_ = 0;
+  int64_t step_ = 0;
+  bool recordOrder_ = true;
+  std::vector<int> readyOrder_;
+  DdpStepStats stats_;
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 Communicator& communicator, DdpOptions options)
+    : impl_(std::make_unique<Impl>(std::move(module), communicator, std::move(options))) {}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+void DistributedDataParallel::setBatch(int64_t localBatch, int64_t globalBatch) {
+  impl_->setBatch(localBatch, globalBatch);
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
+    : ddp_(ddp), previous_(ddp.impl_->noSync()) {
+  ddp_.impl_->setNoSync(true);
+}
+
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.impl_->setNoSync(previous_); }
+
+void DistributedDataParallel::finalize() { impl_->finalize(); }
+void DistributedDataParallel::syncBuffers() { impl_->syncBuffers(); }
+torch::nn::Module& DistributedDataParallel::module() { return *impl_->module_; }
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::modulePtr() const {
+  return impl_->module_;
+}
+Communicator& DistributedDataParallel::communicator() { return impl_->comm_; }
+const DdpOptions& DistributedDataParallel::options() const { return impl_->options_; }
+std::vector<std::vector<std::string>> DistributedDataParallel::bucketLayout() const {
+  return impl_->layout();
+}
+const DdpStepStats& DistributedDataParallel::lastStepStats() const { return impl_->stats_; }
+
+}  // namespace hddp

@@ -1,6 +1,7 @@
 #include "resnet.h"
 
 #include "hddp/core/error.h"
+#include "hddp/ddp/sync_batch_norm.h"
 
 #include <torch/nn/functional.h>
 #include <torch/nn/init.h>
@@ -17,26 +18,46 @@ nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride) {
   return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2).bias(false));
 }
 
+void addNorm(nn::Sequential& seq, int64_t channels, bool sync) {
+  if (sync) {
+    seq->push_back(SyncBatchNorm(channels));
+  } else {
+    seq->push_back(nn::BatchNorm2d(channels));
+  }
+}
+
 struct BlockImpl : nn::Module {
-  BlockImpl(int64_t in, int64_t width, int64_t stride, bool bottleneck) : bottleneck(bottleneck) {
+  BlockImpl(int64_t in, int64_t width, int64_t stride, bool bottleneck, bool sync) {
     const int64_t out = bottleneck ? width * 4 : width;
+    nn::Sequential b;
     if (bottleneck) {
-      body = register_module("body", nn::Sequential(conv(in, width, 1, 1), nn::BatchNorm2d(width), nn::ReLU(true),
-                                                    conv(width, width, 3, stride), nn::BatchNorm2d(width),
-                                                    nn::ReLU(true), conv(width, out, 1, 1), nn::BatchNorm2d(out)));
+      b->push_back(conv(in, width, 1, 1));
+      addNorm(b, width, sync);
+      b->push_back(nn::ReLU(true));
+      b->push_back(conv(width, width, 3, stride));
+      addNorm(b, width, sync);
+      b->push_back(nn::ReLU(true));
+      b->push_back(conv(width, out, 1, 1));
+      addNorm(b, out, sync);
     } else {
-      body = register_module("body", nn::Sequential(conv(in, width, 3, stride), nn::BatchNorm2d(width),
-                                                    nn::ReLU(true), conv(width, out, 3, 1), nn::BatchNorm2d(out)));
+      b->push_back(conv(in, width, 3, stride));
+      addNorm(b, width, sync);
+      b->push_back(nn::ReLU(true));
+      b->push_back(conv(width, out, 3, 1));
+      addNorm(b, out, sync);
     }
+    body = register_module("body", b);
     if (stride != 1 || in != out) {
-      shortcut = register_module("shortcut", nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out)));
+      nn::Sequential sc;
+      sc->push_back(conv(in, out, 1, stride));
+      addNorm(sc, out, sync);
+      shortcut = register_module("shortcut", sc);
     }
   }
   torch::Tensor forward(torch::Tensor x) {
     auto y = body->forward(x);
     return torch::relu(y + (shortcut ? shortcut->forward(x) : x));
   }
-  bool bottleneck;
   nn::Sequential body{nullptr};
   nn::Sequential shortcut{nullptr};
 };
@@ -74,11 +95,12 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     bottleneck = o.arch == "resnet50";
   }
   nn::Sequential stem;
-  if (cifar || o.imageSize <= 64) {
-    stem = nn::Sequential(conv(o.inChannels, stemWidth, 3, 1), nn::BatchNorm2d(stemWidth), nn::ReLU(true));
-  } else {
-    stem = nn::Sequential(conv(o.inChannels, stemWidth, 7, 2), nn::BatchNorm2d(stemWidth), nn::ReLU(true),
-                          nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
+  const bool small = cifar || o.imageSize <= 64;
+  stem->push_back(conv(o.inChannels, stemWidth, small ? 3 : 7, small ? 1 : 2));
+  addNorm(stem, stemWidth, o.syncBatchNorm);
+  stem->push_back(nn::ReLU(true));
+  if (!small) {
+    stem->push_back(nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
   }
   stages_.push_back(register_module("stem", stem));
   int64_t in = stemWidth;
@@ -86,7 +108,7 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     nn::Sequential stage;
     for (int64_t b = 0; b < blocks[s]; ++b) {
       const int64_t stride = (b == 0 && s > 0) ? 2 : 1;
-      stage->push_back(Block(in, widths[s], stride, bottleneck));
+      stage->push_back(Block(in, widths[s], stride, bottleneck, o.syncBatchNorm));
       in = bottleneck ? widths[s] * 4 : widths[s];
     }
     stages_.push_back(register_module("stage" + std::to_string(s + 1), stage));

@@ -23,6 +23,9 @@ struct ResNetOptions {
   int64_t numClasses = 10;
   /// Input height/width; <= 64 selects the CIFAR stem for resnet18/34/50.
   int64_t imageSize = 32;
+  /// Use hddp::SyncBatchNorm instead of torch::nn::BatchNorm2d (attach the
+  /// communicator with hddp::convertSyncBatchNorm(*model, comm)). Default false.
+  bool syncBatchNorm = false;
 };
 
 class ResNetImpl : public torch::nn::Module {

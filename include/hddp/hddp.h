@@ -14,3 +14,4 @@
 #include "hddp/comm/work.h"
 
 #include "hddp/ddp/distributed_data_parallel.h"
+#include "hddp/ddp/sync_batch_norm.h"

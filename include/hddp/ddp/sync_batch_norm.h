@@ -1,0 +1,76 @@
+// SyncBatchNorm for C++ (PyTorch has it only in Python), for unequal local batches.
+//
+// In training mode the batch statistics are those of the global batch: each rank
+// allreduces its per-channel sum, sum of squares and element count (one collective in
+// forward, one in backward), so the mean and variance are weighted by each rank's
+// sample count. With hddp's gradient weighting (DistributedDataParallel::setBatch), a
+// BatchNorm model trained on any split then matches single-device training on the
+// global batch, training-mode statistics included. Running statistics are updated from
+// the global statistics, so they are identical on all ranks. Eval mode is plain
+// BatchNorm with the running statistics.
+//
+// Contract: every rank runs forward and backward through each SyncBatchNorm layer in
+// every training step (a rank needs at least one sample; the collectives must match).
+// The backward assumes each rank's loss is the mean over its local samples, as
+// DistributedDataParallel's weighting does. Parameter and buffer names match
+// torch::nn::BatchNorm*d, so state is interchangeable.
+#pragma once
+
+#include "hddp/comm/communicator.h"
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <memory>
+#include <vector>
+
+namespace hddp {
+
+struct SyncBatchNormOptions {
+  explicit SyncBatchNormOptions(int64_t numFeatures) : numFeatures(numFeatures) {}
+  int64_t numFeatures;
+  /// Default 1e-5, as torch::nn::BatchNorm.
+  double eps = 1e-5;
+  /// Default 0.1, as torch::nn::BatchNorm.
+  double momentum = 0.1;
+  /// Learnable weight and bias. Default true.
+  bool affine = true;
+  /// Keep running mean/variance. Default true.
+  bool trackRunningStats = true;
+};
+
+class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
+ public:
+  /// `communicator` may be null until setCommunicator(); without one (or with one
+  /// rank) the layer behaves as plain BatchNorm.
+  explicit SyncBatchNormImpl(SyncBatchNormOptions options, Communicator* communicator = nullptr);
+  explicit SyncBatchNormImpl(int64_t numFeatures) : SyncBatchNormImpl(SyncBatchNormOptions(numFeatures)) {}
+
+  void reset() override;
+  /// Input (N, C, ...) with C = numFeatures.
+  at::Tensor forward(const at::Tensor& input);
+
+  void setCommunicator(Communicator* communicator) { communicator_ = communicator; }
+  const SyncBatchNormOptions& options() const { return options_; }
+
+  at::Tensor weight;
+  at::Tensor bias;
+  at::Tensor running_mean;
+  at::Tensor running_var;
+  at::Tensor num_batches_tracked;
+
+ private:
+  SyncBatchNormOptions options_;
+  Communicator* communicator_;
+};
+TORCH_MODULE(SyncBatchNorm);
+
+/// Attaches `communicator` to every SyncBatchNorm under `module`, and replaces every
+/// torch::nn::BatchNorm{1,2,3}d registered under it by a SyncBatchNorm with the same
+/// options, parameters and buffers; returns the names of the replaced layers. C++ models usually call their layers through member fields or a Sequential,
+/// which a registry swap cannot reach; when anything besides the registry still holds
+/// a BatchNorm, that layer is left alone and hddp::ConfigError names it (build the
+/// model with SyncBatchNorm instead, e.g. examples' ResNetOptions::syncBatchNorm).
+std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module, Communicator& communicator);
+
+}  // namespace hddp

@@ -1,0 +1,184 @@
+// SyncBatchNorm: a BatchNorm model trained with unequal local batches matches
+// single-device training on the global batch; plain per-rank BatchNorm does not.
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "hddp/ddp/distributed_data_parallel.h"
+#include "hddp/ddp/sync_batch_norm.h"
+
+#include "support/ranks.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+using hddp::testing::runThreads;
+
+// conv -> norm -> relu -> pool -> linear; the norm is SyncBatchNorm or BatchNorm2d.
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool sync) : sync(sync) {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)));
+    if (sync) {
+      sbn = register_module("bn", hddp::SyncBatchNorm(4));
+    } else {
+      bn = register_module("bn", torch::nn::BatchNorm2d(4));
+    }
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = conv(x);
+    h = sync ? sbn(h) : bn(h);
+    return fc(torch::adaptive_avg_pool2d(torch::relu(h), {1, 1}).flatten(1));
+  }
+  bool sync;
+  torch::nn::Conv2d conv{nullptr};
+  hddp::SyncBatchNorm sbn{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Net);
+
+// Trains on `world` ranks with the split {2, 5, 1, ...} (rank r of the first three) for
+// 3 steps and returns, per rank, the max difference of parameters and buffers to
+// single-device training on the concatenated batch.
+std::vector<double> trainAndCompare(int world, bool sync) {
+  const std::vector<int64_t> split = world == 2 ? std::vector<int64_t>{2, 6} : std::vector<int64_t>{2, 5, 1};
+  const int64_t B = 8;
+  torch::manual_seed(5);
+  Net reference(sync);
+  Net initial(sync);
+  {
+    torch::NoGradGuard g;
+    auto src = reference->named_parameters();
+    for (auto& p : initial->named_parameters()) {
+      p.value().copy_(src[p.key()]);
+    }
+  }
+  std::vector<torch::Tensor> xs;
+  std::vector<torch::Tensor> ys;
+  for (int s = 0; s < 3; ++s) {
+    xs.push_back(torch::randn({B, 3, 5, 5}) * 2 + 1);
+    ys.push_back(torch::randint(0, 3, {B}, torch::kLong));
+  }
+  torch::optim::SGD refOpt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int s = 0; s < 3; ++s) {
+    refOpt.zero_grad();
+    torch::cross_entropy_loss(reference->forward(xs[s]), ys[s]).backward();
+    refOpt.step();
+  }
+  std::vector<double> diffs(world, 1e9);
+  runThreads(world, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model(sync);
+    {
+      torch::NoGradGuard g;
+      auto src = initial->named_parameters();
+      for (auto& p : model->named_parameters()) {
+        p.value().copy_(src[p.key()]);
+      }
+    }
+    if (sync) {
+      hddp::convertSyncBatchNorm(*model, *comm);  // attaches the communicator
+    }
+    hddp::DistributedDataParallel ddp(model, *comm);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    int64_t start = 0;
+    for (int r = 0; r < rank; ++r) {
+      start += split[r];
+    }
+    for (int s = 0; s < 3; ++s) {
+      ddp.setBatch(split[rank], B);
+      opt.zero_grad();
+      torch::cross_entropy_loss(model->forward(xs[s].narrow(0, start, split[rank])),
+                                ys[s].narrow(0, start, split[rank]))
+          .backward();
+      opt.step();
+    }
+    double d = 0;
+    auto ref = reference->named_parameters();
+    for (auto& p : model->named_parameters()) {
+      d = std::max(d, (p.value() - ref[p.key()]).abs().max().item<double>());
+    }
+    auto refBuffers = reference->named_buffers();
+    for (auto& b : model->named_buffers()) {
+      if (b.value().is_floating_point()) {
+        d = std::max(d, (b.value() - refBuffers[b.key()]).abs().max().item<double>());
+      }
+    }
+    diffs[rank] = d;
+  });
+  return diffs;
+}
+
+TEST(SyncBatchNorm, UnequalSplitMatchesSingleDeviceTrainingWithStatistics) {
+  for (int world : {2, 3}) {
+    auto diffs = trainAndCompare(world, /*sync=*/true);
+    for (int r = 0; r < world; ++r) {
+      EXPECT_LT(diffs[r], 1e-5) << "world " << world << " rank " << r;
+    }
+  }
+}
+
+TEST(SyncBatchNorm, PlainPerRankBatchNormDoesNotMatch) {
+  auto diffs = trainAndCompare(3, /*sync=*/false);
+  EXPECT_GT(diffs[0], 1e-3) << "per-rank BatchNorm unexpectedly matched the global batch";
+}
+
+TEST(SyncBatchNorm, SingleProcessIsPlainBatchNorm) {
+  torch::manual_seed(1);
+  hddp::SyncBatchNorm sync(6);
+  torch::nn::BatchNorm2d plain(6);
+  auto x = torch::randn({4, 6, 3, 3}, torch::requires_grad());
+  auto x2 = x.detach().clone().requires_grad_();
+  auto y1 = sync(x);
+  auto y2 = plain(x2);
+  EXPECT_TRUE(torch::allclose(y1, y2, 1e-5, 1e-6));
+  auto r = torch::randn_like(y1);  // sum(y*y) would be constant: use a projection
+  (y1 * r).sum().backward();
+  (y2 * r).sum().backward();
+  EXPECT_TRUE(torch::allclose(x.grad(), x2.grad(), 1e-4, 1e-6));
+  EXPECT_TRUE(torch::allclose(sync->weight.grad(), plain->weight.grad(), 1e-4, 1e-6));
+  EXPECT_TRUE(torch::allclose(sync->running_var, plain->running_var, 1e-5, 1e-6));
+  sync->eval();
+  plain->eval();
+  EXPECT_TRUE(torch::allclose(sync(x), plain(x2), 1e-5, 1e-6));
+}
+
+// A module that reaches its layers only through the registry, so conversion can work.
+struct ByNameImpl : torch::nn::Module {
+  ByNameImpl() { register_module("bn", torch::nn::BatchNorm2d(3)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto child = named_children()["bn"];
+    if (auto* s = child->as<hddp::SyncBatchNormImpl>()) {
+      return s->forward(x);
+    }
+    return child->as<torch::nn::BatchNorm2dImpl>()->forward(x);
+  }
+};
+TORCH_MODULE(ByName);
+
+TEST(SyncBatchNorm, ConverterSwapsRegistryOnlyLayersAndRefusesHeldOnes) {
+  runThreads(1, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    ByName byName;
+    {
+      torch::NoGradGuard g;
+      byName->named_buffers()["bn.running_mean"].fill_(0.5);
+    }
+    auto converted = hddp::convertSyncBatchNorm(*byName, *comm);
+    ASSERT_EQ(converted, std::vector<std::string>{"bn"});
+    auto* sync = byName->named_children()["bn"]->as<hddp::SyncBatchNormImpl>();
+    ASSERT_NE(sync, nullptr);
+    EXPECT_TRUE(sync->running_mean.equal(torch::full({3}, 0.5f)));
+    torch::nn::Sequential seq(torch::nn::Conv2d(3, 3, 1), torch::nn::BatchNorm2d(3));
+    try {
+      hddp::convertSyncBatchNorm(*seq, *comm);
+      FAIL() << "expected a ConfigError";
+    } catch (const hddp::ConfigError& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("'1'"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace

@@ -4,14 +4,14 @@
 // Bus bandwidth = bytes * 2 (n - 1) / n / time, the nccl-tests convention, so the
 // figure is comparable across world sizes. bench/allreduce_compare.py runs this next to
 // PyTorch's torch.distributed Gloo and prints the ratio table.
-#include "hddp/hddp.h"
-
 #include <ATen/ATen.h>
-#include <CLI/CLI.hpp>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+
+#include "hddp/hddp.h"
 
 int main(int argc, char** argv) {
   int64_t minBytes = 4096;
@@ -38,7 +38,9 @@ int main(int argc, char** argv) {
     auto t0 = std::chrono::steady_clock::now();
     comm.allreduce(t).wait();
     double probe = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    at::Tensor iters = at::full({1}, static_cast<int64_t>(std::clamp(secondsPerSize / std::max(probe, 1e-6), 5.0, 5000.0)), at::kLong);
+    at::Tensor iters = at::full(
+        {1}, static_cast<int64_t>(std::clamp(secondsPerSize / std::max(probe, 1e-6), 5.0, 5000.0)),
+        at::kLong);
     comm.broadcast(iters, 0).wait();
     const int64_t count = iters.item<int64_t>();
     comm.barrier().wait();
@@ -46,12 +48,15 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < count; ++i) {
       comm.allreduce(t).wait();
     }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / count;
-    const double busGBps = n > 1 ? bytes * 2.0 * (n - 1) / n / seconds / 1e9 : bytes / seconds / 1e9;
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / count;
+    const double busGBps =
+        n > 1 ? bytes * 2.0 * (n - 1) / n / seconds / 1e9 : bytes / seconds / 1e9;
     if (ctx.rank() == 0) {
-      std::printf("{\"impl\": \"hddp\", \"world\": %d, \"bytes\": %lld, \"iters\": %lld, "
-                  "\"seconds\": %.9f, \"bus_GBps\": %.6f}\n",
-                  n, static_cast<long long>(bytes), static_cast<long long>(count), seconds, busGBps);
+      std::printf(
+          "{\"impl\": \"hddp\", \"world\": %d, \"bytes\": %lld, \"iters\": %lld, "
+          "\"seconds\": %.9f, \"bus_GBps\": %.6f}\n",
+          n, static_cast<long long>(bytes), static_cast<long long>(count), seconds, busGBps);
       std::fflush(stdout);
     }
   }

@@ -3,15 +3,15 @@
 //   hddp-run --nproc-per-node 2 -- ddp_resnet_bench --mode ddp --batch 64 --steps 10
 //   hddp-run --nproc-per-node 2 -- ddp_resnet_bench --mode plain   (no communication)
 // bench/ddp_compare.py runs it next to PyTorch's own DDP and prints the ratios.
-#include "hddp/hddp.h"
-#include "resnet.h"
-
 #include <ATen/Parallel.h>
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+
+#include "hddp/hddp.h"
+#include "resnet.h"
 
 int main(int argc, char** argv) {
   std::string mode = "ddp";
@@ -21,7 +21,9 @@ int main(int argc, char** argv) {
   int warmup = 2;
   int threads = 1;
   CLI::App app{"hddp DDP training-throughput benchmark"};
-  app.add_option("--mode", mode, "ddp or plain")->check(CLI::IsMember({"ddp", "plain"}))->capture_default_str();
+  app.add_option("--mode", mode, "ddp or plain")
+      ->check(CLI::IsMember({"ddp", "plain"}))
+      ->capture_default_str();
   app.add_option("--arch", arch, "ResNet variant")->capture_default_str();
   app.add_option("--batch", batch, "Samples per rank per step")->capture_default_str();
   app.add_option("--steps", steps, "Timed steps")->capture_default_str();
@@ -71,11 +73,14 @@ int main(int argc, char** argv) {
     }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  std::printf("{\"impl\": \"hddp\", \"mode\": \"%s\", \"rank\": %d, \"world\": %d, \"batch\": %lld, \"steps\": %d, "
-              "\"seconds\": %.6f, \"images_per_s\": %.3f, \"compute_images_per_s\": %.3f, "
-              "\"wait_s_per_step\": %.6f, \"comm_s_per_step\": %.6f, \"hidden_fraction\": %.4f}\n",
-              mode.c_str(), rank, world, static_cast<long long>(batch), steps, seconds, batch * steps / seconds,
-              batch * steps / (seconds - wait), wait / steps, comm / steps, ddp ? hidden / steps : 0.0);
+  std::printf(
+      "{\"impl\": \"hddp\", \"mode\": \"%s\", \"rank\": %d, \"world\": %d, \"batch\": %lld, "
+      "\"steps\": %d, "
+      "\"seconds\": %.6f, \"images_per_s\": %.3f, \"compute_images_per_s\": %.3f, "
+      "\"wait_s_per_step\": %.6f, \"comm_s_per_step\": %.6f, \"hidden_fraction\": %.4f}\n",
+      mode.c_str(), rank, world, static_cast<long long>(batch), steps, seconds,
+      batch * steps / seconds, batch * steps / (seconds - wait), wait / steps, comm / steps,
+      ddp ? hidden / steps : 0.0);
   std::fflush(stdout);
   return 0;
 }

@@ -1,8 +1,7 @@
 // Built against an installed hddp through find_package(hddp): joins a (single-rank)
 // job from the environment and allreduces a tensor.
-#include <hddp/hddp.h>
-
 #include <ATen/ATen.h>
+#include <hddp/hddp.h>
 
 #include <cstdio>
 

@@ -1,12 +1,12 @@
 #include "resnet.h"
 
-#include "hddp/core/error.h"
-#include "hddp/ddp/sync_batch_norm.h"
-
 #include <torch/nn/functional.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/pooling.h>
+
+#include "hddp/core/error.h"
+#include "hddp/ddp/sync_batch_norm.h"
 
 namespace hddp {
 namespace models {
@@ -77,8 +77,9 @@ bool isResNetArch(const std::string& arch) {
 ResNetImpl::ResNetImpl(const ResNetOptions& o) {
   HDDP_CHECK(isResNetArch(o.arch), "unknown ResNet '", o.arch,
              "'; use resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50");
-  HDDP_CHECK(o.inChannels > 0 && o.numClasses > 1 && o.imageSize >= 8, "bad ResNet options: ", o.inChannels,
-             " input channels, ", o.numClasses, " classes, ", o.imageSize, " px");
+  HDDP_CHECK(o.inChannels > 0 && o.numClasses > 1 && o.imageSize >= 8,
+             "bad ResNet options: ", o.inChannels, " input channels, ", o.numClasses, " classes, ",
+             o.imageSize, " px");
   std::vector<int64_t> blocks;
   std::vector<int64_t> widths;
   bool bottleneck = false;
@@ -90,7 +91,8 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     widths = {16, 32, 64};
     stemWidth = 16;
   } else {
-    blocks = o.arch == "resnet18" ? std::vector<int64_t>{2, 2, 2, 2} : std::vector<int64_t>{3, 4, 6, 3};
+    blocks =
+        o.arch == "resnet18" ? std::vector<int64_t>{2, 2, 2, 2} : std::vector<int64_t>{3, 4, 6, 3};
     widths = {64, 128, 256, 512};
     bottleneck = o.arch == "resnet50";
   }

@@ -6,10 +6,10 @@
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/batchnorm.h>
 
 #include <string>
 

@@ -2,10 +2,10 @@
 // not (nccl_backend.cpp vs nccl_unavailable.cpp); the communicator is backend-agnostic.
 #pragma once
 
-#include "hddp/comm/communicator.h"
-
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "hddp/comm/communicator.h"
 
 namespace hddp {
 namespace detail {

@@ -1,5 +1,12 @@
 #include "hddp/comm/communicator.h"
 
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cctype>
+#include <mutex>
+
 #include "comm/backends.h"
 #include "comm/errors.h"
 #include "comm/store_impl.h"
@@ -7,13 +14,6 @@
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
-
-#include <ATen/ATen.h>
-#include <c10/util/irange.h>
-
-#include <algorithm>
-#include <cctype>
-#include <mutex>
 
 namespace hddp {
 
@@ -78,8 +78,9 @@ std::string describeTensors(const std::vector<at::Tensor>& tensors) {
   for (const auto& t : tensors) {
     elements += t.defined() ? t.numel() : 0;
   }
-  std::string dtype =
-      tensors.empty() || !tensors[0].defined() ? "?" : std::string(c10::toString(tensors[0].scalar_type()));
+  std::string dtype = tensors.empty() || !tensors[0].defined()
+                          ? "?"
+                          : std::string(c10::toString(tensors[0].scalar_type()));
   std::string device = tensors.empty() || !tensors[0].defined() ? "?" : tensors[0].device().str();
   return c10::str(tensors.size(), tensors.size() == 1 ? " tensor, " : " tensors, ", elements,
                   " elements ", dtype, " on ", device);
@@ -159,8 +160,8 @@ class C10dCommunicator final : public Communicator {
 
   Work broadcast(at::Tensor& tensor, int root) override {
     checkTensor(tensor, "broadcast");
-    HDDP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of this ",
-               size_, "-rank group");
+    HDDP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of this ", size_,
+               "-rank group");
     std::vector<at::Tensor> tensors{tensor};
     const std::string what =
         c10::str("broadcast from rank ", root, " of ", describeTensors(tensors), rankSuffix());
@@ -200,9 +201,8 @@ class C10dCommunicator final : public Communicator {
   Work reduceScatter(at::Tensor& output, const at::Tensor& input, ReduceOp op) override {
     checkTensor(output, "reduceScatter");
     checkTensor(input, "reduceScatter");
-    HDDP_CHECK(input.numel() == output.numel() * size_, "reduceScatter: input has ",
-               input.numel(), " elements, expected size() * output.numel() = ", size_, " * ",
-               output.numel());
+    HDDP_CHECK(input.numel() == output.numel() * size_, "reduceScatter: input has ", input.numel(),
+               " elements, expected size() * output.numel() = ", size_, " * ", output.numel());
     HDDP_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(),
                "reduceScatter: input and output must share dtype and device");
     const std::string what = c10::str("reduceScatter(", reduceOpName(op), ") of ",
@@ -256,8 +256,8 @@ class C10dCommunicator final : public Communicator {
 
   void checkTensor(const at::Tensor& t, const char* op) const {
     HDDP_CHECK(t.defined(), op, ": the tensor is undefined");
-    HDDP_CHECK(t.is_contiguous(), op, ": the tensor must be contiguous (got strides ",
-               t.strides(), "); call .contiguous() first");
+    HDDP_CHECK(t.is_contiguous(), op, ": the tensor must be contiguous (got strides ", t.strides(),
+               "); call .contiguous() first");
     HDDP_CHECK(!t.is_sparse(), op, ": sparse tensors are not supported");
     if (kind_ == Backend::Nccl) {
       HDDP_CHECK(t.is_cuda(), op, " on the NCCL backend needs CUDA tensors, got one on ",
@@ -302,9 +302,9 @@ class C10dCommunicator final : public Communicator {
   PendingWork reduceInPlace(std::vector<at::Tensor>& tensors, ReduceOp op, const char* name,
                             const std::string& shown = "") {
     checkAvg(op, tensors[0]);
-    const std::string what = c10::str(name, "(", reduceOpName(op), ") of ",
-                                      shown.empty() ? describeTensors(tensors) : shown,
-                                      rankSuffix());
+    const std::string what =
+        c10::str(name, "(", reduceOpName(op), ") of ",
+                 shown.empty() ? describeTensors(tensors) : shown, rankSuffix());
     if (tensors[0].numel() == 0) {
       auto impl = std::make_unique<Work::Impl>();
       impl->description = what;
@@ -378,18 +378,19 @@ std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int
   std::chrono::milliseconds timeout = options.timeout;
   if (timeout.count() <= 0) {
     const int64_t seconds = env::getInt("HDDP_TIMEOUT_SEC");
-    timeout = seconds > 0 ? std::chrono::milliseconds(seconds * 1000) : defaultTimeout(options.backend);
+    timeout =
+        seconds > 0 ? std::chrono::milliseconds(seconds * 1000) : defaultTimeout(options.backend);
   }
   // Each communicator gets its own key space in the store, so several communicators
   // (and restarts) in one job do not see each other's keys.
-  const int64_t generation = store.impl()->store->add("hddp/communicator_generation/" +
-                                                          std::to_string(rank), 1);
+  const int64_t generation =
+      store.impl()->store->add("hddp/communicator_generation/" + std::to_string(rank), 1);
   Store scoped = store.withPrefix("hddp/comm/" + std::to_string(generation));
   const auto& c10dStore = detail::c10dStore(scoped);
   c10::intrusive_ptr<c10d::Backend> backend;
-  const std::string what = c10::str("creating the ", backendName(options.backend),
-                                    " communicator for rank ", rank, "/", size, " via ",
-                                    store.description());
+  const std::string what =
+      c10::str("creating the ", backendName(options.backend), " communicator for rank ", rank, "/",
+               size, " via ", store.description());
   try {
     backend = options.backend == Backend::Nccl
                   ? detail::createNcclBackend(c10dStore, rank, size, timeout, options)

@@ -1,10 +1,10 @@
 #include "comm/errors.h"
 
-#include "hddp/core/error.h"
-
 #include <algorithm>
 #include <cctype>
 #include <exception>
+
+#include "hddp/core/error.h"
 
 namespace hddp {
 namespace detail {
@@ -13,8 +13,7 @@ namespace {
 bool mentionsTimeout(std::string text) {
   std::transform(text.begin(), text.end(), text.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return text.find("timed out") != std::string::npos ||
-         text.find("timeout") != std::string::npos;
+  return text.find("timed out") != std::string::npos || text.find("timeout") != std::string::npos;
 }
 
 }  // namespace

@@ -1,14 +1,13 @@
 // Reading launcher conventions (torchrun, Slurm, Open MPI) into a LaunchInfo. Pure
 // functions of an environment map, so every convention and error is unit-tested.
-#include "hddp/comm/rendezvous.h"
-
-#include "hddp/core/env.h"
-#include "hddp/core/error.h"
-#include "hddp/core/logging.h"
-
 #include <cctype>
 #include <map>
 #include <set>
+
+#include "hddp/comm/rendezvous.h"
+#include "hddp/core/env.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 extern char** environ;  // NOLINT
 
@@ -240,9 +239,8 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
                 localRank->from, "=", localRank->value, " is not below ", localWorld->from, "=",
                 localWorld->value);
   if (world.value > 1) {
-    HDDP_CHECK_AS(ConfigError, addr && !addr->empty(), addrFrom, " is not set but ",
-                  world.from, "=", world.value,
-                  ": ranks need the address of rank 0 to meet; set MASTER_ADDR");
+    HDDP_CHECK_AS(ConfigError, addr && !addr->empty(), addrFrom, " is not set but ", world.from,
+                  "=", world.value, ": ranks need the address of rank 0 to meet; set MASTER_ADDR");
     HDDP_CHECK_AS(ConfigError, port.has_value(), portFrom, " is not set but ", world.from, "=",
                   world.value, ": set MASTER_PORT to a free TCP port on rank 0's host");
   }
@@ -266,8 +264,8 @@ c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allow
     return c10::Device(c10::kCPU);
   }
   if (info.localRank >= cudaDeviceCount) {
-    HDDP_CHECK_AS(ConfigError, allowShared, "local rank ", info.localRank, " needs cuda:",
-                  info.localRank, " but only ", cudaDeviceCount,
+    HDDP_CHECK_AS(ConfigError, allowShared, "local rank ", info.localRank,
+                  " needs cuda:", info.localRank, " but only ", cudaDeviceCount,
                   " CUDA device(s) are visible. Start at most ", cudaDeviceCount,
                   " ranks per node (--nproc-per-node), check CUDA_VISIBLE_DEVICES, or set "
                   "HDDP_ALLOW_SHARED_DEVICE=1 to share devices over Gloo (testing only)");

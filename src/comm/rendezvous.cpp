@@ -1,12 +1,11 @@
 #include "hddp/comm/rendezvous.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <unistd.h>
+
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
-
-#include <ATen/detail/CUDAHooksInterface.h>
-
-#include <unistd.h>
 
 namespace hddp {
 namespace {
@@ -35,12 +34,14 @@ Backend chooseBackend(const InitOptions& options, const c10::Device& device, boo
 DistributedContext initFromEnv(const InitOptions& options) {
   const LaunchInfo info = detectLaunch(options, processEnvironment());
   log::setRank(info.rank);
-  const bool allowShared = env::resolveBool("HDDP_ALLOW_SHARED_DEVICE", options.allowSharedDevice).value;
+  const bool allowShared =
+      env::resolveBool("HDDP_ALLOW_SHARED_DEVICE", options.allowSharedDevice).value;
 
   const int cudaCount = at::detail::getCUDAHooks().hasCUDA()
                             ? static_cast<int>(at::detail::getCUDAHooks().deviceCount())
                             : 0;
-  const c10::Device device = options.device ? *options.device : chooseDevice(info, cudaCount, allowShared);
+  const c10::Device device =
+      options.device ? *options.device : chooseDevice(info, cudaCount, allowShared);
   const Backend backend = chooseBackend(options, device, allowShared);
   HDDP_CHECK_AS(ConfigError, backend != Backend::Nccl || device.is_cuda(),
                 "the NCCL backend needs a CUDA device but this rank uses ", device,

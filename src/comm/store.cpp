@@ -1,14 +1,14 @@
 #include "hddp/comm/store.h"
 
-#include "comm/errors.h"
-#include "comm/store_impl.h"
-#include "hddp/core/error.h"
-#include "hddp/core/logging.h"
-
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "comm/errors.h"
+#include "comm/store_impl.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 namespace hddp {
 namespace {
@@ -31,7 +31,8 @@ Store::Store(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {
 }
 
 Store Store::tcp(const TcpStoreOptions& options) {
-  HDDP_CHECK_AS(ConfigError, !options.host.empty(), "TcpStoreOptions.host is empty; set it to "
+  HDDP_CHECK_AS(ConfigError, !options.host.empty(),
+                "TcpStoreOptions.host is empty; set it to "
                 "the address of rank 0 (MASTER_ADDR)");
   HDDP_CHECK_AS(ConfigError, options.isServer || options.port != 0,
                 "TcpStoreOptions.port 0 only works for the server; clients need MASTER_PORT");
@@ -50,9 +51,10 @@ Store Store::tcp(const TcpStoreOptions& options) {
     impl->port = store->getPort();
     impl->store = store;
   } catch (...) {
-    detail::rethrowAsDistributed(
-        std::string(options.isServer ? "starting the TCPStore server on "
-                                     : "connecting to the TCPStore at ") + where, true);
+    detail::rethrowAsDistributed(std::string(options.isServer ? "starting the TCPStore server on "
+                                                              : "connecting to the TCPStore at ") +
+                                     where,
+                                 true);
   }
   impl->description = "TCPStore " + options.host + ":" + std::to_string(impl->port);
   HDDP_LOG_DEBUG("comm", options.isServer ? "hosting " : "joined ", impl->description);

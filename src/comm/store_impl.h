@@ -1,8 +1,8 @@
 #pragma once
 
-#include "hddp/comm/store.h"
-
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "hddp/comm/store.h"
 
 namespace hddp {
 

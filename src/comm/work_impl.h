@@ -1,8 +1,8 @@
 #pragma once
 
-#include "hddp/comm/work.h"
-
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "hddp/comm/work.h"
 
 namespace hddp {
 
@@ -27,8 +27,7 @@ inline void onCompletion(Work& work, std::function<void()> fn) {
     fn();
     return;
   }
-  impl->work->getFuture()->addCallback(
-      [fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
+  impl->work->getFuture()->addCallback([fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
 }
 
 }  // namespace detail

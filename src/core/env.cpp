@@ -1,12 +1,12 @@
 #include "hddp/core/env.h"
 
-#include "hddp/core/error.h"
-
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <sstream>
+
+#include "hddp/core/error.h"
 
 namespace hddp {
 namespace env {
@@ -15,20 +15,32 @@ namespace {
 // The registry. Add a variable here and nowhere else.
 std::vector<Variable> makeRegistry() {
   return {
-      {"HDDP_LOG_LEVEL", Type::String, "info",
-       "Log threshold: trace, debug, info, warn, error or off.", {"HDDP_LOGLEVEL"}},
-      {"HDDP_BACKEND", Type::String, "auto",
-       "Collective backend: auto (NCCL for CUDA devices, Gloo otherwise), gloo or nccl.", {}},
-      {"HDDP_TIMEOUT_SEC", Type::Int, "0",
+      {"HDDP_LOG_LEVEL",
+       Type::String,
+       "info",
+       "Log threshold: trace, debug, info, warn, error or off.",
+       {"HDDP_LOGLEVEL"}},
+      {"HDDP_BACKEND",
+       Type::String,
+       "auto",
+       "Collective backend: auto (NCCL for CUDA devices, Gloo otherwise), gloo or nccl.",
+       {}},
+      {"HDDP_TIMEOUT_SEC",
+       Type::Int,
+       "0",
        "Timeout of rendezvous and collectives in seconds; 0 = PyTorch's defaults "
        "(30 min Gloo, 10 min NCCL).",
        {}},
-      {"HDDP_GLOO_INTERFACE", Type::String, "",
+      {"HDDP_GLOO_INTERFACE",
+       Type::String,
+       "",
        "Network interface Gloo binds to (e.g. eth0); empty = resolve the hostname, "
        "falling back to loopback.",
        {"GLOO_SOCKET_IFNAME"}},
       {"HDDP_GLOO_THREADS", Type::Int, "2", "Gloo worker threads per communicator.", {}},
-      {"HDDP_ALLOW_SHARED_DEVICE", Type::Bool, "false",
+      {"HDDP_ALLOW_SHARED_DEVICE",
+       Type::Bool,
+       "false",
        "Let several local ranks use one CUDA device (Gloo staging only; for testing on a "
        "single GPU).",
        {}},
@@ -76,7 +88,8 @@ const Variable& variable(const std::string& name) {
       return var;
     }
   }
-  HDDP_THROW(Error, "'", name, "' is not a registered hddp environment variable; add it to "
+  HDDP_THROW(Error, "'", name,
+             "' is not a registered hddp environment variable; add it to "
              "the registry in src/core/env.cpp");
 }
 
@@ -124,8 +137,8 @@ int64_t parseInt(const std::string& name, const std::string& text) {
   errno = 0;
   char* end = nullptr;
   const long long parsed = std::strtoll(v.c_str(), &end, 10);
-  HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0' && errno == 0, name, "='",
-                text, "' is not an integer; set it to a whole number such as 4");
+  HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0' && errno == 0, name, "='", text,
+                "' is not an integer; set it to a whole number such as 4");
   return static_cast<int64_t>(parsed);
 }
 
@@ -134,8 +147,8 @@ double parseFloat(const std::string& name, const std::string& text) {
   errno = 0;
   char* end = nullptr;
   const double parsed = std::strtod(v.c_str(), &end);
-  HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0' && errno == 0, name, "='",
-                text, "' is not a number; set it to a value such as 2.5");
+  HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0' && errno == 0, name, "='", text,
+                "' is not a number; set it to a value such as 2.5");
   return parsed;
 }
 
@@ -184,8 +197,8 @@ std::string dump() {
     std::string value = "'" + s.value + "'";
     os << s.name << std::string(nameWidth - s.name.size() + 2, ' ') << value
        << std::string(valueWidth - value.size() + 2, ' ')
-       << (s.source == Source::Environment ? "from " + s.setBy : std::string("default"))
-       << "  # " << s.description << "\n";
+       << (s.source == Source::Environment ? "from " + s.setBy : std::string("default")) << "  # "
+       << s.description << "\n";
   }
   return os.str();
 }

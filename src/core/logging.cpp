@@ -1,13 +1,13 @@
 #include "hddp/core/logging.h"
 
-#include "core/log_sink.h"
-#include "hddp/core/env.h"
-#include "hddp/core/error.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <mutex>
+
+#include "core/log_sink.h"
+#include "hddp/core/env.h"
+#include "hddp/core/error.h"
 
 namespace hddp {
 namespace log {

@@ -1,9 +1,9 @@
 // Coalesced broadcast: one collective per dtype/device instead of one per tensor.
 #pragma once
 
-#include "hddp/comm/communicator.h"
-
 #include <vector>
+
+#include "hddp/comm/communicator.h"
 
 namespace hddp {
 namespace detail {

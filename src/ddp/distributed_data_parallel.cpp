@@ -1,10 +1,5 @@
 #include "hddp/ddp/distributed_data_parallel.h"
 
-#include "comm/work_impl.h"
-#include "ddp/coalesced.h"
-#include "hddp/core/error.h"
-#include "hddp/core/logging.h"
-
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/nn/module.h>
@@ -14,6 +9,11 @@
 #include <chrono>
 #include <map>
 #include <sstream>
+
+#include "comm/work_impl.h"
+#include "ddp/coalesced.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 namespace hddp {
 namespace {
@@ -58,8 +58,8 @@ class DistributedDataParallel::Impl {
     HDDP_CHECK(options_.firstBucketBytes > 0 && options_.bucketCapBytes > 0,
                "DdpOptions bucket sizes must be positive, got firstBucketBytes=",
                options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
-    HDDP_CHECK(options_.bufferSyncInterval >= 1, "DdpOptions::bufferSyncInterval must be >= 1, got ",
-               options_.bufferSyncInterval);
+    HDDP_CHECK(options_.bufferSyncInterval >= 1,
+               "DdpOptions::bufferSyncInterval must be >= 1, got ", options_.bufferSyncInterval);
     for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
       if (item.value().requires_grad()) {
         Param p;
@@ -92,9 +92,9 @@ class DistributedDataParallel::Impl {
     }
     buildBuckets(order);
     registerHooks();
-    HDDP_LOG_INFO("ddp", "wrapping ", params_.size(), " parameters (", frozen_.size(), " frozen) and ",
-                  buffers_.size(), " buffers in ", buckets_.size(), " bucket(s); rank ", comm_.rank(),
-                  "/", comm_.size());
+    HDDP_LOG_INFO("ddp", "wrapping ", params_.size(), " parameters (", frozen_.size(),
+                  " frozen) and ", buffers_.size(), " buffers in ", buckets_.size(),
+                  " bucket(s); rank ", comm_.rank(), "/", comm_.size());
   }
 
   ~Impl() {
@@ -133,12 +133,13 @@ class DistributedDataParallel::Impl {
       p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
       HDDP_INTERNAL_ASSERT(p.accumulator, "no gradient accumulator for parameter ", p.name);
       const int index = static_cast<int>(i);
-      p.postHookKey = p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [this, index](const torch::autograd::variable_list& outputs,
-                        const torch::autograd::variable_list& /*inputs*/) {
-            onGradientReady(index);
-            return outputs;
-          }));
+      p.postHookKey =
+          p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+              [this, index](const torch::autograd::variable_list& outputs,
+                            const torch::autograd::variable_list& /*inputs*/) {
+                onGradientReady(index);
+                return outputs;
+              }));
     }
   }
 
@@ -221,7 +222,8 @@ class DistributedDataParallel::Impl {
       if (options_.compression == GradCompression::None) {
         b.work = comm_.allreduce(b.flat);
       } else {
-        b.wire = b.flat.to(options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
+        b.wire =
+            b.flat.to(options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
         b.work = comm_.allreduce(b.wire);
       }
       detail::onCompletion(b.work, [done = b.completedAtNs] {
@@ -240,8 +242,9 @@ class DistributedDataParallel::Impl {
 
   void finalize() {
     if (noSync_) {
-      HDDP_CHECK(false, "finalize() inside noSync(): gradients are only synchronized "
-                        "outside the noSync scope");
+      HDDP_CHECK(false,
+                 "finalize() inside noSync(): gradients are only synchronized "
+                 "outside the noSync scope");
     }
     const bool ranBackward = stepActive_;
     if (!ranBackward) {
@@ -280,7 +283,8 @@ class DistributedDataParallel::Impl {
     }
     if (!buckets_.empty()) {
       const auto last = Clock::time_point(Clock::duration(lastDone));
-      stats_.communicationSeconds = secondsBetween(buckets_.front().launchedAt, std::max(last, waitStart));
+      stats_.communicationSeconds =
+          secondsBetween(buckets_.front().launchedAt, std::max(last, waitStart));
     }
     for (auto& b : buckets_) {
       if (b.wire.defined()) {
@@ -319,7 +323,8 @@ class DistributedDataParallel::Impl {
         names << ", ... (" << unused.size() << " in all)";
       }
       HDDP_THROW(Error, "parameter(s) ", names.str(), " received no gradient in this backward ",
-                 "(rank ", comm_.rank(), "). Zeros were sent for them so no rank hangs. If your "
+                 "(rank ", comm_.rank(),
+                 "). Zeros were sent for them so no rank hangs. If your "
                  "model skips these parameters on purpose, set DdpOptions::findUnusedParameters "
                  "= true; otherwise make sure the loss depends on them.");
     }
@@ -372,7 +377,8 @@ class DistributedDataParallel::Impl {
     // Move current gradients into the new buffers.
     std::vector<at::Tensor> oldGrads;
     for (auto& p : params_) {
-      oldGrads.push_back(p.tensor.grad().defined() ? p.tensor.grad().detach().clone() : at::Tensor());
+      oldGrads.push_back(p.tensor.grad().defined() ? p.tensor.grad().detach().clone()
+                                                   : at::Tensor());
     }
     buckets_ = std::move(buckets);
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
@@ -411,10 +417,12 @@ class DistributedDataParallel::Impl {
     std::vector<int> sorted = rebuilt;
     std::sort(sorted.begin(), sorted.end());
     for (size_t i = 0; i < sorted.size(); ++i) {
-      HDDP_INTERNAL_ASSERT(sorted[i] == static_cast<int>(i), "observed gradient order is not a permutation");
+      HDDP_INTERNAL_ASSERT(sorted[i] == static_cast<int>(i),
+                           "observed gradient order is not a permutation");
     }
     buildBuckets(rebuilt);
-    HDDP_LOG_DEBUG("ddp", "rebuilt ", buckets_.size(), " bucket(s) from the observed gradient order");
+    HDDP_LOG_DEBUG("ddp", "rebuilt ", buckets_.size(),
+                   " bucket(s) from the observed gradient order");
   }
 
   // ---- construction check -------------------------------------------------------------
@@ -453,9 +461,9 @@ class DistributedDataParallel::Impl {
         const bool ga = static_cast<bool>(std::getline(a, la));
         const bool gb = static_cast<bool>(std::getline(b, lb));
         if (!ga || !gb || la != lb) {
-          HDDP_THROW(ConfigError, "the model differs between rank 0 and rank ", r, " at entry ", line,
-                     ": rank 0 has '", ga ? la : std::string("nothing more"), "', rank ", r, " has '",
-                     gb ? lb : std::string("nothing more"),
+          HDDP_THROW(ConfigError, "the model differs between rank 0 and rank ", r, " at entry ",
+                     line, ": rank 0 has '", ga ? la : std::string("nothing more"), "', rank ", r,
+                     " has '", gb ? lb : std::string("nothing more"),
                      "'. Every rank must build the same model (same layers, shapes, dtypes and "
                      "requires_grad flags) before wrapping it.");
         }

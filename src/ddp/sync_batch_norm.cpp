@@ -1,10 +1,10 @@
 #include "hddp/ddp/sync_batch_norm.h"
 
-#include "hddp/core/error.h"
-
 #include <torch/autograd.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/torch.h>
+
+#include "hddp/core/error.h"
 
 namespace hddp {
 namespace {
@@ -52,8 +52,8 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     const int64_t C = x.size(1);
     const double localCount = static_cast<double>(x.numel() / std::max<int64_t>(C, 1));
     at::Tensor x64 = x.to(at::kDouble);
-    auto sums = allreduceConcat(comm, {x64.sum(dims), (x64 * x64).sum(dims),
-                                       at::full({1}, localCount, x64.options())});
+    auto sums = allreduceConcat(
+        comm, {x64.sum(dims), (x64 * x64).sum(dims), at::full({1}, localCount, x64.options())});
     const double count = sums[2].item<double>();
     HDDP_CHECK(count > 0, "SyncBatchNorm: the global batch is empty");
     at::Tensor mean = sums[0] / count;
@@ -106,8 +106,14 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
       dweight = sumDyXhat.to(weight.scalar_type());
       dbias = sumDy.to(weight.scalar_type());
     }
-    return {dx.to(dy.scalar_type()), dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    return {dx.to(dy.scalar_type()),
+            dweight,
+            dbias,
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -115,7 +121,8 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
 
 SyncBatchNormImpl::SyncBatchNormImpl(SyncBatchNormOptions options, Communicator* communicator)
     : options_(options), communicator_(communicator) {
-  HDDP_CHECK(options_.numFeatures > 0, "SyncBatchNorm needs numFeatures > 0, got ", options_.numFeatures);
+  HDDP_CHECK(options_.numFeatures > 0, "SyncBatchNorm needs numFeatures > 0, got ",
+             options_.numFeatures);
   reset();
 }
 
@@ -132,11 +139,13 @@ void SyncBatchNormImpl::reset() {
 }
 
 at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
-  HDDP_CHECK(input.dim() >= 2 && input.size(1) == options_.numFeatures, "SyncBatchNorm expects input (N, ",
-             options_.numFeatures, ", ...), got ", input.sizes());
+  HDDP_CHECK(input.dim() >= 2 && input.size(1) == options_.numFeatures,
+             "SyncBatchNorm expects input (N, ", options_.numFeatures, ", ...), got ",
+             input.sizes());
   if (!is_training()) {
-    return torch::batch_norm(input, weight, bias, running_mean, running_var, false, options_.momentum,
-                             options_.eps, at::globalContext().userEnabledCuDNN());
+    return torch::batch_norm(input, weight, bias, running_mean, running_var, false,
+                             options_.momentum, options_.eps,
+                             at::globalContext().userEnabledCuDNN());
   }
   if (num_batches_tracked.defined()) {
     torch::NoGradGuard g;
@@ -149,8 +158,9 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
 namespace {
 
 template <typename BN>
-bool tryConvert(torch::nn::Module& parent, const std::string& name, const std::shared_ptr<torch::nn::Module>& child,
-                Communicator& comm, const std::string& fullName, std::vector<std::string>& converted,
+bool tryConvert(torch::nn::Module& parent, const std::string& name,
+                const std::shared_ptr<torch::nn::Module>& child, Communicator& comm,
+                const std::string& fullName, std::vector<std::string>& converted,
                 std::vector<std::string>& refused) {
   auto bn = std::dynamic_pointer_cast<BN>(child);
   if (!bn) {
@@ -197,9 +207,12 @@ void convertRecursive(torch::nn::Module& module, const std::string& prefix, Comm
       sync->setCommunicator(&comm);
       continue;
     }
-    if (tryConvert<torch::nn::BatchNorm1dImpl>(module, item.key(), child, comm, full, converted, refused) ||
-        tryConvert<torch::nn::BatchNorm2dImpl>(module, item.key(), child, comm, full, converted, refused) ||
-        tryConvert<torch::nn::BatchNorm3dImpl>(module, item.key(), child, comm, full, converted, refused)) {
+    if (tryConvert<torch::nn::BatchNorm1dImpl>(module, item.key(), child, comm, full, converted,
+                                               refused) ||
+        tryConvert<torch::nn::BatchNorm2dImpl>(module, item.key(), child, comm, full, converted,
+                                               refused) ||
+        tryConvert<torch::nn::BatchNorm3dImpl>(module, item.key(), child, comm, full, converted,
+                                               refused)) {
       continue;
     }
     convertRecursive(*child, full, comm, converted, refused);
@@ -208,7 +221,8 @@ void convertRecursive(torch::nn::Module& module, const std::string& prefix, Comm
 
 }  // namespace
 
-std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module, Communicator& communicator) {
+std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module,
+                                              Communicator& communicator) {
   std::vector<std::string> converted;
   std::vector<std::string> refused;
   convertRecursive(module, "", communicator, converted, refused);
@@ -217,10 +231,14 @@ std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module, Communi
     for (size_t i = 0; i < refused.size() && i < 6; ++i) {
       names += (i ? ", '" : "'") + refused[i] + "'";
     }
-    HDDP_THROW(ConfigError, "cannot convert BatchNorm layer(s) ", names, refused.size() > 6 ? " and more" : "",
-               " to SyncBatchNorm: the model also holds them outside its module registry (a member field or a "
-               "Sequential/ModuleList), so its forward would keep calling the old layers. Build the model with "
-               "hddp::SyncBatchNorm instead. (", converted.size(), " layer(s) were converted.)");
+    HDDP_THROW(ConfigError, "cannot convert BatchNorm layer(s) ", names,
+               refused.size() > 6 ? " and more" : "",
+               " to SyncBatchNorm: the model also holds them outside its module registry (a member "
+               "field or a "
+               "Sequential/ModuleList), so its forward would keep calling the old layers. Build "
+               "the model with "
+               "hddp::SyncBatchNorm instead. (",
+               converted.size(), " layer(s) were converted.)");
   }
   return converted;
 }

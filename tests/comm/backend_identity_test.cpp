@@ -1,16 +1,14 @@
 // hddp uses LibTorch's own Gloo (compiled into libtorch_cpu) and never maps a second
 // copy of Gloo: see third_party/gloo_decls/README.md and docs/architecture.md.
-#include "hddp/comm/communicator.h"
-#include "hddp/core/error.h"
-
-#include "support/ranks.h"
-
-#include <gtest/gtest.h>
-
 #include <dlfcn.h>
+#include <gtest/gtest.h>
 
 #include <fstream>
 #include <string>
+
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "support/ranks.h"
 
 namespace {
 

@@ -1,13 +1,11 @@
 // Collective correctness over Gloo, world sizes 1-4, several dtypes and sizes,
 // in-place and coalesced, many times in a row (no cross-talk between calls).
-#include "hddp/comm/communicator.h"
-#include "hddp/core/error.h"
-
-#include "support/ranks.h"
-
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <gtest/gtest.h>
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "support/ranks.h"
 
 namespace {
 
@@ -47,7 +45,8 @@ TEST_P(Collectives, AllreduceBroadcastAllgatherReduceScatterAcrossDtypesAndSizes
         if (dtype != torch::kInt64) {
           t = rankValues(rank, n, dtype);
           comm->allreduce(t, {hddp::ReduceOp::Avg}).wait();
-          EXPECT_TRUE(torch::allclose(t.to(torch::kDouble), base(n, torch::kDouble) * sumFactor / size,
+          EXPECT_TRUE(torch::allclose(t.to(torch::kDouble),
+                                      base(n, torch::kDouble) * sumFactor / size,
                                       /*rtol=*/dtype == torch::kBFloat16 ? 1e-2 : 1e-6));
         }
         // Broadcast from the last rank.
@@ -126,7 +125,8 @@ TEST(Collectives, AllgatherBytesVariableSizes) {
       auto all = comm->allgatherBytes(mine);
       ASSERT_EQ(static_cast<int>(all.size()), size);
       for (int r = 0; r < size; ++r) {
-        EXPECT_EQ(all[r], std::vector<uint8_t>(r * 3 + round, static_cast<uint8_t>(r + 10 * round)));
+        EXPECT_EQ(all[r],
+                  std::vector<uint8_t>(r * 3 + round, static_cast<uint8_t>(r + 10 * round)));
       }
     }
   });

@@ -1,15 +1,15 @@
 // Launcher conventions -> LaunchInfo, and every error case naming its variable.
+#include <gtest/gtest.h>
+
 #include "hddp/comm/rendezvous.h"
 #include "hddp/core/error.h"
 
-#include <gtest/gtest.h>
-
 namespace {
 
+using hddp::detectLaunch;
 using hddp::EnvMap;
 using hddp::InitOptions;
 using hddp::Launcher;
-using hddp::detectLaunch;
 
 std::string errorOf(const InitOptions& opts, const EnvMap& env) {
   try {
@@ -28,9 +28,14 @@ TEST(Launch, NothingSetIsASingleProcess) {
 }
 
 TEST(Launch, Torchrun) {
-  EnvMap env = {{"RANK", "5"},         {"WORLD_SIZE", "8"},       {"LOCAL_RANK", "1"},
-                {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "node0"}, {"MASTER_PORT", "29400"},
-                {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  EnvMap env = {{"RANK", "5"},
+                {"WORLD_SIZE", "8"},
+                {"LOCAL_RANK", "1"},
+                {"LOCAL_WORLD_SIZE", "4"},
+                {"MASTER_ADDR", "node0"},
+                {"MASTER_PORT", "29400"},
+                {"TORCHELASTIC_RESTART_COUNT", "2"},
+                {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
   auto info = detectLaunch({}, env);
   EXPECT_EQ(info.launcher, Launcher::Torchrun);
   EXPECT_EQ(info.rank, 5);
@@ -46,9 +51,12 @@ TEST(Launch, Torchrun) {
 }
 
 TEST(Launch, Slurm) {
-  EnvMap env = {{"SLURM_PROCID", "3"},          {"SLURM_NTASKS", "4"},
-                {"SLURM_LOCALID", "1"},         {"SLURM_NTASKS_PER_NODE", "2(x2)"},
-                {"SLURM_JOB_NODELIST", "gpu[07-08]"}, {"SLURM_JOB_ID", "123456"}};
+  EnvMap env = {{"SLURM_PROCID", "3"},
+                {"SLURM_NTASKS", "4"},
+                {"SLURM_LOCALID", "1"},
+                {"SLURM_NTASKS_PER_NODE", "2(x2)"},
+                {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+                {"SLURM_JOB_ID", "123456"}};
   auto info = detectLaunch({}, env);
   EXPECT_EQ(info.launcher, Launcher::Slurm);
   EXPECT_EQ(info.rank, 3);
@@ -73,9 +81,12 @@ TEST(Launch, SlurmNodelists) {
 }
 
 TEST(Launch, OpenMpi) {
-  EnvMap env = {{"OMPI_COMM_WORLD_RANK", "2"},       {"OMPI_COMM_WORLD_SIZE", "3"},
-                {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
-                {"MASTER_ADDR", "head"},             {"MASTER_PORT", "29999"}};
+  EnvMap env = {{"OMPI_COMM_WORLD_RANK", "2"},
+                {"OMPI_COMM_WORLD_SIZE", "3"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                {"OMPI_COMM_WORLD_LOCAL_SIZE", "1"},
+                {"MASTER_ADDR", "head"},
+                {"MASTER_PORT", "29999"}};
   auto info = detectLaunch({}, env);
   EXPECT_EQ(info.launcher, Launcher::OpenMpi);
   EXPECT_EQ(info.rank, 2);
@@ -89,9 +100,14 @@ TEST(Launch, OpenMpi) {
 }
 
 TEST(Launch, PrecedenceExplicitThenTorchrunThenSlurmThenMpi) {
-  EnvMap env = {{"RANK", "1"},          {"WORLD_SIZE", "2"},   {"MASTER_ADDR", "a"},
-                {"MASTER_PORT", "1000"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"},
-                {"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"}};
+  EnvMap env = {{"RANK", "1"},
+                {"WORLD_SIZE", "2"},
+                {"MASTER_ADDR", "a"},
+                {"MASTER_PORT", "1000"},
+                {"SLURM_PROCID", "0"},
+                {"SLURM_NTASKS", "4"},
+                {"OMPI_COMM_WORLD_RANK", "3"},
+                {"OMPI_COMM_WORLD_SIZE", "4"}};
   EXPECT_EQ(detectLaunch({}, env).launcher, Launcher::Torchrun);
   EXPECT_EQ(detectLaunch({}, env).rank, 1);
   env.erase("RANK");
@@ -111,24 +127,34 @@ TEST(Launch, PrecedenceExplicitThenTorchrunThenSlurmThenMpi) {
 }
 
 TEST(Launch, ErrorsNameTheVariable) {
-  EXPECT_NE(errorOf({}, {{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})
-                .find("RANK=4 is not below WORLD_SIZE=4"),
+  EXPECT_NE(
+      errorOf({}, {{"RANK", "4"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})
+          .find("RANK=4 is not below WORLD_SIZE=4"),
+      std::string::npos);
+  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}})
+                .find("MASTER_ADDR is not set"),
             std::string::npos);
-  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}).find("MASTER_ADDR is not set"),
-            std::string::npos);
-  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("MASTER_PORT"),
-            std::string::npos);
+  EXPECT_NE(
+      errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}}).find("MASTER_PORT"),
+      std::string::npos);
   EXPECT_NE(errorOf({}, {{"RANK", "0"}}).find("WORLD_SIZE is not set"), std::string::npos);
   EXPECT_NE(errorOf({}, {{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK='x' is not an integer"),
             std::string::npos);
-  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0"), std::string::npos);
-  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"},
-                         {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}})
+  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "0"}}).find("WORLD_SIZE=0"),
+            std::string::npos);
+  EXPECT_NE(errorOf({}, {{"RANK", "0"},
+                         {"WORLD_SIZE", "2"},
+                         {"LOCAL_RANK", "2"},
+                         {"LOCAL_WORLD_SIZE", "2"},
+                         {"MASTER_ADDR", "a"},
+                         {"MASTER_PORT", "1"}})
                 .find("LOCAL_RANK=2 is not below LOCAL_WORLD_SIZE=2"),
             std::string::npos);
-  EXPECT_NE(errorOf({}, {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}})
-                .find("MASTER_PORT=70000 is not a TCP port"),
-            std::string::npos);
+  EXPECT_NE(
+      errorOf({},
+              {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "a"}, {"MASTER_PORT", "70000"}})
+          .find("MASTER_PORT=70000 is not a TCP port"),
+      std::string::npos);
 }
 
 TEST(Launch, DeviceChoice) {
@@ -141,7 +167,8 @@ TEST(Launch, DeviceChoice) {
 }
 
 TEST(Launch, DuplicateGpuDetected) {
-  EXPECT_NO_THROW(hddp::checkDistinctDevices({"h1|cuda:0", "h1|cuda:1", "h2|cuda:0", "h1|cpu", "h1|cpu"}));
+  EXPECT_NO_THROW(
+      hddp::checkDistinctDevices({"h1|cuda:0", "h1|cuda:1", "h2|cuda:0", "h1|cpu", "h1|cpu"}));
   try {
     hddp::checkDistinctDevices({"h1|cuda:0", "h1|cuda:1", "h1|cuda:0"});
     FAIL() << "expected a ConfigError";

@@ -1,20 +1,18 @@
 // NCCL communicator on a real GPU (world size 1 on a single-GPU machine), and several
 // ranks sharing one GPU through Gloo's staging path. Skipped without CUDA.
-#include "hddp/comm/communicator.h"
-#include "hddp/core/error.h"
-
-#include "support/ranks.h"
-
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <gtest/gtest.h>
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "support/ranks.h"
 
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                                              \
-  if (!torch::cuda::is_available() || !hddp::ncclAvailable()) {                          \
+#define SKIP_WITHOUT_CUDA()                                                                \
+  if (!torch::cuda::is_available() || !hddp::ncclAvailable()) {                            \
     GTEST_SKIP() << "needs a CUDA device and the NCCL build (run tools/gpu-check.sh on a " \
-                    "GPU machine)";                                                      \
+                    "GPU machine)";                                                        \
   }
 
 TEST(Nccl, AllreduceBroadcastAllgatherOnOneGpu_CUDA) {

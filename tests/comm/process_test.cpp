@@ -1,21 +1,18 @@
 // Multi-process tests: initFromEnv over TCP, a killed rank, hddp-run's supervision.
-#include "hddp/comm/rendezvous.h"
-#include "hddp/core/error.h"
-
-#include "support/ranks.h"
-
-#include <torch/torch.h>
-
-#include <gtest/gtest.h>
-
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <array>
 #include <cstdio>
+
+#include "hddp/comm/rendezvous.h"
+#include "hddp/core/error.h"
+#include "support/ranks.h"
 
 namespace {
 
@@ -85,8 +82,8 @@ TEST(Processes, KilledRankMakesTheOthersRaiseWithinTheTimeout) {
   EXPECT_FALSE(outcomes[2].exited);
   EXPECT_EQ(outcomes[2].signal, SIGKILL);
   for (int r = 0; r < 2; ++r) {
-    EXPECT_TRUE(outcomes[r].exited && outcomes[r].exitCode == 0)
-        << "rank " << r << " output:\n" << outcomes[r].output;
+    EXPECT_TRUE(outcomes[r].exited && outcomes[r].exitCode == 0) << "rank " << r << " output:\n"
+                                                                 << outcomes[r].output;
   }
 }
 
@@ -117,15 +114,16 @@ TEST(HddpRun, RunsRanksWithTorchrunEnvironmentAndPrefixedOutput) {
   auto r = runCommand(launcher() + " --nproc-per-node 3 -- " + worker() + " allreduce");
   EXPECT_EQ(r.exitCode, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_NE(r.output.find("[rank " + std::to_string(rank) + "] sum=3 restart=0 launcher=torchrun"),
-              std::string::npos)
+    EXPECT_NE(
+        r.output.find("[rank " + std::to_string(rank) + "] sum=3 restart=0 launcher=torchrun"),
+        std::string::npos)
         << r.output;
   }
 }
 
 TEST(HddpRun, FailedRankEndsTheJobAndIsNamed) {
-  auto r = runCommand(launcher() + " --nproc-per-node 3 --grace-period 2 -- " + worker() +
-                      " fail 1 7");
+  auto r =
+      runCommand(launcher() + " --nproc-per-node 3 --grace-period 2 -- " + worker() + " fail 1 7");
   EXPECT_EQ(r.exitCode, 7) << r.output;
   EXPECT_NE(r.output.find("rank 1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("exited with code 7"), std::string::npos) << r.output;

@@ -1,11 +1,11 @@
 #include "hddp/comm/store.h"
-#include "hddp/core/error.h"
-
-#include "support/ranks.h"
 
 #include <gtest/gtest.h>
 
 #include <thread>
+
+#include "hddp/core/error.h"
+#include "support/ranks.h"
 
 namespace {
 

@@ -1,10 +1,10 @@
 #include "hddp/core/autocast.h"
-#include "hddp/core/error.h"
 
 #include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <gtest/gtest.h>
+#include "hddp/core/error.h"
 
 namespace {
 

@@ -1,10 +1,11 @@
 #include "hddp/core/env.h"
-#include "hddp/core/error.h"
-#include "hddp/core/logging.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 namespace {
 

@@ -18,17 +18,14 @@ std::string messageOf(const std::function<void()>& fn) {
 TEST(Error, CheckMessageCarriesValuesAndLocation) {
   const int rank = 7;
   const int world = 4;
-  const std::string msg = messageOf([&] {
-    HDDP_CHECK(rank < world, "rank ", rank, " is not below the world size ", world);
-  });
+  const std::string msg = messageOf(
+      [&] { HDDP_CHECK(rank < world, "rank ", rank, " is not below the world size ", world); });
   EXPECT_NE(msg.find("rank 7 is not below the world size 4"), std::string::npos) << msg;
   EXPECT_NE(msg.find("error_test.cpp"), std::string::npos) << msg;
   EXPECT_NE(msg.find("hddp: "), std::string::npos) << msg;
 }
 
-TEST(Error, PassingCheckDoesNotThrow) {
-  EXPECT_NO_THROW(HDDP_CHECK(1 + 1 == 2, "arithmetic"));
-}
+TEST(Error, PassingCheckDoesNotThrow) { EXPECT_NO_THROW(HDDP_CHECK(1 + 1 == 2, "arithmetic")); }
 
 TEST(Error, TypedErrorsAreCatchableAsC10AndStd) {
   EXPECT_THROW(HDDP_CHECK_AS(hddp::TimeoutError, false, "late"), hddp::TimeoutError);

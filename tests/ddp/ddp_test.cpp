@@ -1,17 +1,15 @@
 // The DDP engine: weighted gradients equal single-device training on the whole batch,
 // for every split (zero and tiny shares included), with accumulation, unused and
 // frozen parameters, compression, buffers, and real overlap of communication.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <random>
+
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
-
 #include "support/ranks.h"
-
-#include <torch/torch.h>
-
-#include <gtest/gtest.h>
-
-#include <random>
 
 namespace {
 
@@ -159,7 +157,8 @@ TEST(Ddp, NoSyncAccumulationEqualsOneBigBatch) {
   auto d = makeData(B, 11);
   torch::cross_entropy_loss(reference->forward(d.x), d.y).backward();
   // Rank 0 takes samples [0, 3) then [3, 9); rank 1 takes [9, 11) then [11, 20).
-  const std::vector<std::vector<std::pair<int64_t, int64_t>>> micro = {{{0, 3}, {3, 6}}, {{9, 2}, {11, 9}}};
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>> micro = {{{0, 3}, {3, 6}},
+                                                                       {{9, 2}, {11, 9}}};
   std::vector<double> diffs(2);
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
@@ -243,10 +242,10 @@ TEST(Ddp, UnusedOnSomeRanksIsExactWithFindUnusedParameters) {
   copyParams(*reference, *initial);
   auto d = makeData(B, 9);
   // Samples [0,4) use the spare head (rank 0), samples [4,8) do not (rank 1).
-  auto l0 = torch::cross_entropy_loss(reference->forward(d.x.narrow(0, 0, 4), true), d.y.narrow(0, 0, 4),
-                                      {}, torch::Reduction::Sum);
-  auto l1 = torch::cross_entropy_loss(reference->forward(d.x.narrow(0, 4, 4), false), d.y.narrow(0, 4, 4),
-                                      {}, torch::Reduction::Sum);
+  auto l0 = torch::cross_entropy_loss(reference->forward(d.x.narrow(0, 0, 4), true),
+                                      d.y.narrow(0, 0, 4), {}, torch::Reduction::Sum);
+  auto l1 = torch::cross_entropy_loss(reference->forward(d.x.narrow(0, 4, 4), false),
+                                      d.y.narrow(0, 4, 4), {}, torch::Reduction::Sum);
   ((l0 + l1) / B).backward();
   std::vector<double> diffs(2);
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
@@ -257,7 +256,8 @@ TEST(Ddp, UnusedOnSomeRanksIsExactWithFindUnusedParameters) {
     opts.findUnusedParameters = true;
     hddp::DistributedDataParallel ddp(model, *comm, opts);
     ddp.setBatch(4, B);
-    torch::cross_entropy_loss(model->forward(d.x.narrow(0, 4 * rank, 4), rank == 0), d.y.narrow(0, 4 * rank, 4))
+    torch::cross_entropy_loss(model->forward(d.x.narrow(0, 4 * rank, 4), rank == 0),
+                              d.y.narrow(0, 4 * rank, 4))
         .backward();
     EXPECT_EQ(ddp.lastStepStats().unusedParameters, rank == 0 ? 0 : 2);
     double diff = 0;
@@ -367,7 +367,8 @@ TEST(Ddp, CompressionIsCloseToExact) {
       auto pa = plain->named_parameters();
       for (auto& p : compressed->named_parameters()) {
         auto ref = pa[p.key()].grad();
-        rel = std::max(rel, ((p.value().grad() - ref).abs().max() / (ref.abs().max() + 1e-12)).item<double>());
+        rel = std::max(
+            rel, ((p.value().grad() - ref).abs().max() / (ref.abs().max() + 1e-12)).item<double>());
       }
       diffs[rank] = rel;
     });
@@ -380,7 +381,8 @@ TEST(Ddp, CompressionIsCloseToExact) {
 TEST(Ddp, BuffersFollowRankZeroWithTheGradients) {
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
-    torch::nn::Sequential model(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Linear(6, 2));
+    torch::nn::Sequential model(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
+                                torch::nn::Linear(6, 2));
     hddp::DistributedDataParallel ddp(model, *comm);
     torch::manual_seed(50 + rank);  // different data per rank: different batch statistics
     auto x = torch::randn({8, 4}) * (rank + 1);

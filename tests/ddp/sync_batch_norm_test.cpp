@@ -1,15 +1,14 @@
 // SyncBatchNorm: a BatchNorm model trained with unequal local batches matches
 // single-device training on the global batch; plain per-rank BatchNorm does not.
+#include "hddp/ddp/sync_batch_norm.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
-#include "hddp/ddp/sync_batch_norm.h"
-
 #include "support/ranks.h"
-
-#include <torch/torch.h>
-
-#include <gtest/gtest.h>
 
 namespace {
 
@@ -43,7 +42,8 @@ TORCH_MODULE(Net);
 // 3 steps and returns, per rank, the max difference of parameters and buffers to
 // single-device training on the concatenated batch.
 std::vector<double> trainAndCompare(int world, bool sync) {
-  const std::vector<int64_t> split = world == 2 ? std::vector<int64_t>{2, 6} : std::vector<int64_t>{2, 5, 1};
+  const std::vector<int64_t> split =
+      world == 2 ? std::vector<int64_t>{2, 6} : std::vector<int64_t>{2, 5, 1};
   const int64_t B = 8;
   torch::manual_seed(5);
   Net reference(sync);

@@ -1,10 +1,7 @@
 #include "ranks.h"
 
-#include "hddp/core/logging.h"
-
-#include <gtest/gtest.h>
-
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -14,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+
+#include "hddp/core/logging.h"
 
 extern char** environ;  // NOLINT
 
@@ -60,7 +59,8 @@ std::string readFile(const std::string& path) {
 
 }  // namespace
 
-std::vector<ProcessOutcome> runProcesses(int size, const RankBody& body, std::chrono::seconds timeout) {
+std::vector<ProcessOutcome> runProcesses(int size, const RankBody& body,
+                                         std::chrono::seconds timeout) {
   if (const char* childRank = std::getenv("HDDP_TEST_CHILD_RANK")) {
     const int rank = std::atoi(childRank);
     const int port = std::atoi(std::getenv("HDDP_TEST_STORE_PORT"));
@@ -161,7 +161,8 @@ void expectAllSucceeded(const std::vector<ProcessOutcome>& outcomes) {
   for (const auto& o : outcomes) {
     EXPECT_TRUE(o.exited && o.exitCode == 0)
         << "rank " << o.rank << " ended with " << (o.exited ? "exit code " : "signal ")
-        << (o.exited ? o.exitCode : o.signal) << "; its output:\n" << o.output;
+        << (o.exited ? o.exitCode : o.signal) << "; its output:\n"
+        << o.output;
   }
 }
 

@@ -8,12 +8,12 @@
 //   and signals (fault injection).
 #pragma once
 
-#include "hddp/comm/store.h"
-
 #include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "hddp/comm/store.h"
 
 namespace hddp {
 namespace testing {

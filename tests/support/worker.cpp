@@ -3,8 +3,6 @@
 //   worker allreduce            allreduce a ones tensor, print "sum=<value> restart=<n>"
 //   worker fail RANK CODE       rank RANK exits with CODE after joining; the others wait
 //   worker fail-once RANK CODE  like fail, but only when TORCHELASTIC_RESTART_COUNT is 0
-#include "hddp/hddp.h"
-
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -12,6 +10,8 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+
+#include "hddp/hddp.h"
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "allreduce";

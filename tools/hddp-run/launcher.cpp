@@ -65,7 +65,8 @@ std::string describeStatus(int status) {
   if (WIFSIGNALED(status)) {
     const int sig = WTERMSIG(status);
     const char* name = sigabbrev_np(sig);
-    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (SIG") + name + ")" : "");
   }
   return "ended with status " + std::to_string(status);
 }
@@ -364,10 +365,10 @@ int launch(const LaunchConfig& config) {
   int result = 0;
   for (int attempt = 0; attempt <= config.maxRestarts; ++attempt) {
     const int port = config.masterPort > 0 ? config.masterPort : freePort();
-    say("starting " + std::to_string(config.nprocPerNode) + " rank(s) of " +
-        std::to_string(world) + " (node " + std::to_string(config.nodeRank) + "/" +
-        std::to_string(config.nnodes) + "), store " + config.masterAddr + ":" +
-        std::to_string(port) + (attempt > 0 ? ", restart " + std::to_string(attempt) : ""));
+    say("starting " + std::to_string(config.nprocPerNode) + " rank(s) of " + std::to_string(world) +
+        " (node " + std::to_string(config.nodeRank) + "/" + std::to_string(config.nnodes) +
+        "), store " + config.masterAddr + ":" + std::to_string(port) +
+        (attempt > 0 ? ", restart " + std::to_string(attempt) : ""));
     Group group(config, port, attempt);
     bool interrupted = false;
     if (!group.start()) {

@@ -8,16 +8,16 @@
 // seconds and exits non-zero naming it. With --max-restarts K the whole group is
 // restarted up to K times (TORCHELASTIC_RESTART_COUNT incremented) so a program can
 // resume from its last saved state. See docs/launching.md.
-#include "launcher.h"
-
 #include <CLI/CLI.hpp>
-
 #include <iostream>
+
+#include "launcher.h"
 
 int main(int argc, char** argv) {
   hddp::run::LaunchConfig config;
-  CLI::App app{"hddp-run: start the ranks of a data-parallel job on this node.\n"
-               "Usage: hddp-run [options] [--] program [args...]"};
+  CLI::App app{
+      "hddp-run: start the ranks of a data-parallel job on this node.\n"
+      "Usage: hddp-run [options] [--] program [args...]"};
   app.prefix_command();  // everything from the program name on is the command
   app.add_option("--nproc-per-node,--nproc_per_node", config.nprocPerNode,
                  "Ranks to start on this node")

@@ -9,9 +9,6 @@
 // A communicator is used from one thread at a time.
 #pragma once
 
-#include "hddp/comm/store.h"
-#include "hddp/comm/work.h"
-
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -20,6 +17,9 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "hddp/comm/store.h"
+#include "hddp/comm/work.h"
 
 namespace hddp {
 

@@ -15,9 +15,6 @@
 // no two local ranks claim one CUDA device, and creates the communicator.
 #pragma once
 
-#include "hddp/comm/communicator.h"
-#include "hddp/comm/store.h"
-
 #include <c10/core/Device.h>
 
 #include <chrono>
@@ -25,6 +22,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+
+#include "hddp/comm/communicator.h"
+#include "hddp/comm/store.h"
 
 namespace hddp {
 

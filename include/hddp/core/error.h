@@ -72,22 +72,21 @@ constexpr const char* baseName(const char* path) {
 
 }  // namespace hddp
 
-#define HDDP_THROW(ErrorType, ...)                                            \
-  throw ErrorType(                                                            \
-      ::c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, \
-      ::c10::str("hddp: ", __VA_ARGS__, " [", ::hddp::detail::baseName(__FILE__), ":", \
-                 __LINE__, "]"))
+#define HDDP_THROW(ErrorType, ...)                                                                 \
+  throw ErrorType(::c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},      \
+                  ::c10::str("hddp: ", __VA_ARGS__, " [", ::hddp::detail::baseName(__FILE__), ":", \
+                             __LINE__, "]"))
 
-#define HDDP_CHECK_AS(ErrorType, cond, ...)   \
-  do {                                        \
-    if (C10_UNLIKELY_OR_CONST(!(cond))) {     \
-      HDDP_THROW(ErrorType, __VA_ARGS__);     \
-    }                                         \
+#define HDDP_CHECK_AS(ErrorType, cond, ...) \
+  do {                                      \
+    if (C10_UNLIKELY_OR_CONST(!(cond))) {   \
+      HDDP_THROW(ErrorType, __VA_ARGS__);   \
+    }                                       \
   } while (false)
 
 #define HDDP_CHECK(cond, ...) HDDP_CHECK_AS(::hddp::Error, cond, __VA_ARGS__)
 
-#define HDDP_INTERNAL_ASSERT(cond, ...)                                             \
-  HDDP_CHECK_AS(::hddp::InternalError, cond, "internal assertion `", #cond,        \
-                "` failed: ", ::c10::str(__VA_ARGS__),                              \
+#define HDDP_INTERNAL_ASSERT(cond, ...)                                     \
+  HDDP_CHECK_AS(::hddp::InternalError, cond, "internal assertion `", #cond, \
+                "` failed: ", ::c10::str(__VA_ARGS__),                      \
                 ". This is a bug in hddp; please report it with this message.")

@@ -28,8 +28,6 @@
 // Not thread-safe: one training loop per instance. The communicator must outlive it.
 #pragma once
 
-#include "hddp/comm/communicator.h"
-
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
@@ -38,6 +36,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "hddp/comm/communicator.h"
 
 namespace torch {
 namespace nn {

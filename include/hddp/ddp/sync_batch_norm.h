@@ -16,13 +16,13 @@
 // torch::nn::BatchNorm*d, so state is interchangeable.
 #pragma once
 
-#include "hddp/comm/communicator.h"
-
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 
 #include <memory>
 #include <vector>
+
+#include "hddp/comm/communicator.h"
 
 namespace hddp {
 
@@ -44,7 +44,8 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   /// `communicator` may be null until setCommunicator(); without one (or with one
   /// rank) the layer behaves as plain BatchNorm.
   explicit SyncBatchNormImpl(SyncBatchNormOptions options, Communicator* communicator = nullptr);
-  explicit SyncBatchNormImpl(int64_t numFeatures) : SyncBatchNormImpl(SyncBatchNormOptions(numFeatures)) {}
+  explicit SyncBatchNormImpl(int64_t numFeatures)
+      : SyncBatchNormImpl(SyncBatchNormOptions(numFeatures)) {}
 
   void reset() override;
   /// Input (N, C, ...) with C = numFeatures.
@@ -67,10 +68,12 @@ TORCH_MODULE(SyncBatchNorm);
 
 /// Attaches `communicator` to every SyncBatchNorm under `module`, and replaces every
 /// torch::nn::BatchNorm{1,2,3}d registered under it by a SyncBatchNorm with the same
-/// options, parameters and buffers; returns the names of the replaced layers. C++ models usually call their layers through member fields or a Sequential,
-/// which a registry swap cannot reach; when anything besides the registry still holds
-/// a BatchNorm, that layer is left alone and hddp::ConfigError names it (build the
-/// model with SyncBatchNorm instead, e.g. examples' ResNetOptions::syncBatchNorm).
-std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module, Communicator& communicator);
+/// options, parameters and buffers; returns the names of the replaced layers. C++ models usually
+/// call their layers through member fields or a Sequential, which a registry swap cannot reach;
+/// when anything besides the registry still holds a BatchNorm, that layer is left alone and
+/// hddp::ConfigError names it (build the model with SyncBatchNorm instead, e.g. examples'
+/// ResNetOptions::syncBatchNorm).
+std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module,
+                                              Communicator& communicator);
 
 }  // namespace hddp

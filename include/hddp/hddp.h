@@ -5,6 +5,8 @@
 #include "hddp/comm/rendezvous.h"
 #include "hddp/comm/store.h"
 #include "hddp/comm/work.h"
+#include "hddp/amp/grad_scaler.h"
+#include "hddp/checkpoint/checkpoint.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"

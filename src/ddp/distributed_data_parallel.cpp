@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "comm/work_impl.h"
+#include "core/gradient_capture.h"
 #include "ddp/coalesced.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -128,7 +129,10 @@ class DistributedDataParallel::Impl {
       // Weighting, applied to every gradient as it arrives (also under noSync, so
       // accumulated micro-steps carry their own b/B).
       p.preHookIndex = p.tensor.register_hook([this](const at::Tensor& grad) -> at::Tensor {
-        return weight_ == 1.0 ? grad : grad * weight_;
+        if (weight_ == 1.0 || detail::capturingInnerGradients()) {
+          return grad;  // a checkpoint recomputation: weighted when it reaches the parameter
+        }
+        return grad * weight_;
       });
       p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
       HDDP_INTERNAL_ASSERT(p.accumulator, "no gradient accumulator for parameter ", p.name);

@@ -1,0 +1,188 @@
+#include "hddp/amp/grad_scaler.h"
+
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+#include <ATen/ATen.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+namespace hddp {
+namespace {
+
+// Native kernel when the device has one, plain tensor ops otherwise.
+void unscaleAndCheck(std::vector<at::Tensor>& grads, at::Tensor& foundInf, const at::Tensor& invScale) {
+  try {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, foundInf, invScale);
+    return;
+  } catch (const c10::NotImplementedError&) {
+  }
+  for (auto& g : grads) {
+    foundInf.add_((~at::isfinite(g)).any().to(foundInf.scalar_type()));
+    g.mul_(invScale.to(g.scalar_type()));
+  }
+  foundInf.clamp_max_(1);
+}
+
+void updateScale(at::Tensor& scale, at::Tensor& tracker, const at::Tensor& foundInf, double growth, double backoff,
+                 int64_t interval) {
+  try {
+    at::_amp_update_scale_(scale, tracker, foundInf, growth, backoff, interval);
+    return;
+  } catch (const c10::NotImplementedError&) {
+  }
+  if (foundInf.item<float>() > 0) {
+    scale.mul_(backoff);
+    tracker.zero_();
+  } else if (tracker.item<int>() + 1 >= interval) {
+    scale.mul_(growth);
+    tracker.zero_();
+  } else {
+    tracker.add_(1);
+  }
+}
+
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options, Communicator* communicator)
+    : options_(options), communicator_(communicator) {
+  HDDP_CHECK(options_.initScale > 0, "GradScaler: initScale must be positive, got ", options_.initScale);
+  HDDP_CHECK(options_.growthFactor > 1.0, "GradScaler: growthFactor must be > 1, got ", options_.growthFactor);
+  HDDP_CHECK(options_.backoffFactor > 0 && options_.backoffFactor < 1.0,
+             "GradScaler: backoffFactor must be in (0, 1), got ", options_.backoffFactor);
+  HDDP_CHECK(options_.growthInterval > 0, "GradScaler: growthInterval must be positive, got ",
+             options_.growthInterval);
+}
+
+void GradScaler::lazyInit(const at::Device& device) {
+  if (!scale_.defined()) {
+    scale_ = at::full({1}, options_.initScale, at::TensorOptions().dtype(at::kFloat).device(device));
+    growthTracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+  } else if (scale_.device() != device) {
+    scale_ = scale_.to(device);
+    growthTracker_ = growthTracker_.to(device);
+  }
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) {
+  if (!options_.enabled) {
+    return loss;
+  }
+  lazyInit(loss.device());
+  return loss * scale_.to(loss.scalar_type());
+}
+
+void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled) {
+    return;
+  }
+  HDDP_CHECK(scale_.defined(), "GradScaler::unscale before scale(): scale the loss first");
+  PerOptimizer& state = perOptimizer_[&optimizer];
+  HDDP_CHECK(!state.unscaled, "GradScaler::unscale called twice for one optimizer in one step; call update() "
+                              "after each step");
+  HDDP_CHECK(!state.stepped, "GradScaler::unscale after step(): call update() first");
+  at::Tensor invScale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  state.foundInf = at::zeros({1}, scale_.options());
+  // One native call per (device, dtype) group, as PyTorch does.
+  std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) {
+        groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.mutable_grad());
+      }
+    }
+  }
+  for (auto& entry : groups) {
+    const at::Device device = entry.second.front().device();
+    at::Tensor found = at::zeros({1}, scale_.options().device(device));
+    unscaleAndCheck(entry.second, found, invScale.to(device));
+    state.foundInf.add_(found.to(scale_.device()));
+  }
+  state.unscaled = true;
+}
+
+at::Tensor GradScaler::foundInfFor(torch::optim::Optimizer& optimizer) {
+  PerOptimizer& state = perOptimizer_[&optimizer];
+  if (!state.unscaled) {
+    unscale(optimizer);
+  }
+  at::Tensor found = state.foundInf.clamp_max(1);
+  if (communicator_ && communicator_->size() > 1) {
+    at::Tensor onComm = found.to(communicator_->device());
+    communicator_->allreduce(onComm, {ReduceOp::Max}).wait();
+    found = onComm.to(found.device());
+  }
+  state.foundInf = found;
+  return found;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled) {
+    optimizer.step();
+    return true;
+  }
+  HDDP_CHECK(scale_.defined(), "GradScaler::step before scale(): scale the loss first");
+  PerOptimizer& state = perOptimizer_[&optimizer];
+  HDDP_CHECK(!state.stepped, "GradScaler::step called twice for one optimizer in one step; call update()");
+  const bool skip = foundInfFor(optimizer).item<float>() > 0;
+  state.stepped = true;
+  if (skip) {
+    HDDP_LOG_DEBUG("amp", "inf/NaN gradients: skipping the optimizer step at scale ", currentScale());
+    return false;
+  }
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled || !scale_.defined()) {
+    return;
+  }
+  HDDP_CHECK(!perOptimizer_.empty(), "GradScaler::update without unscale()/step() in this iteration");
+  at::Tensor found = at::zeros({1}, scale_.options());
+  for (auto& entry : perOptimizer_) {
+    if (entry.second.foundInf.defined()) {
+      found.add_(entry.second.foundInf.to(scale_.device()));
+    }
+  }
+  found.clamp_max_(1);
+  updateScale(scale_, growthTracker_, found, options_.growthFactor, options_.backoffFactor,
+              options_.growthInterval);
+  perOptimizer_.clear();
+}
+
+double GradScaler::currentScale() const {
+  return scale_.defined() ? scale_.item<double>() : options_.initScale;
+}
+
+int64_t GradScaler::growthTracker() const { return growthTracker_.defined() ? growthTracker_.item<int64_t>() : 0; }
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("scale", at::full({1}, currentScale(), at::kDouble));
+  archive.write("growth_tracker", at::full({1}, growthTracker(), at::kLong));
+  archive.write("growth_factor", at::full({1}, options_.growthFactor, at::kDouble));
+  archive.write("backoff_factor", at::full({1}, options_.backoffFactor, at::kDouble));
+  archive.write("growth_interval", at::full({1}, options_.growthInterval, at::kLong));
+  archive.write("enabled", at::full({1}, options_.enabled ? 1 : 0, at::kLong));
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  // InputArchive::read reuses a defined tensor (set_), so every key gets a fresh one.
+  auto read = [&archive](const char* key) {
+    at::Tensor t;
+    archive.read(key, t);
+    return t;
+  };
+  const double scale = read("scale").item<double>();
+  const int64_t tracker = read("growth_tracker").item<int64_t>();
+  options_.growthFactor = read("growth_factor").item<double>();
+  options_.backoffFactor = read("backoff_factor").item<double>();
+  options_.growthInterval = read("growth_interval").item<int64_t>();
+  options_.enabled = read("enabled").item<int64_t>() != 0;
+  const at::Device device = scale_.defined() ? scale_.device() : at::Device(at::kCPU);
+  scale_ = at::full({1}, scale, at::TensorOptions().dtype(at::kFloat).device(device));
+  growthTracker_ = at::full({1}, tracker, at::TensorOptions().dtype(at::kInt).device(device));
+  perOptimizer_.clear();
+}
+
+}  // namespace hddp

@@ -1,0 +1,179 @@
+#include "hddp/amp/grad_scaler.h"
+#include "hddp/core/autocast.h"
+#include "hddp/core/error.h"
+#include "hddp/ddp/distributed_data_parallel.h"
+
+#include "support/ranks.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace {
+
+using hddp::testing::runThreads;
+
+std::vector<torch::Tensor> grads(torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : m.parameters()) {
+    out.push_back(p.grad().clone());
+  }
+  return out;
+}
+
+TEST(GradScaler, UnscaledGradientsEqualPlainGradients) {
+  torch::manual_seed(0);
+  torch::nn::Linear plain(6, 3);
+  torch::nn::Linear scaled(6, 3);
+  {
+    torch::NoGradGuard g;
+    scaled->weight.copy_(plain->weight);
+    scaled->bias.copy_(plain->bias);
+  }
+  auto x = torch::randn({5, 6});
+  plain(x).pow(2).mean().backward();
+  hddp::GradScaler scaler;
+  torch::optim::SGD opt(scaled->parameters(), 0.1);
+  scaler.scale(scaled(x).pow(2).mean()).backward();
+  EXPECT_FALSE(torch::allclose(scaled->weight.grad(), plain->weight.grad())) << "the loss was not scaled";
+  scaler.unscale(opt);
+  auto a = grads(*plain);
+  auto b = grads(*scaled);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7)) << i;  // power-of-two scale: exact up to rounding
+  }
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
+  EXPECT_EQ(scaler.currentScale(), 65536.0);
+  EXPECT_EQ(scaler.growthTracker(), 1);
+}
+
+TEST(GradScaler, GrowsAfterTheIntervalAndBacksOffOnInf) {
+  hddp::GradScalerOptions o;
+  o.initScale = 8;
+  o.growthInterval = 3;
+  hddp::GradScaler scaler(o);
+  auto w = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({w}, 0.1);
+  auto iteration = [&](float value) {
+    opt.zero_grad();
+    scaler.scale((w * value).sum()).backward();
+    const bool stepped = scaler.step(opt);
+    scaler.update();
+    return stepped;
+  };
+  EXPECT_TRUE(iteration(1));
+  EXPECT_TRUE(iteration(1));
+  EXPECT_EQ(scaler.currentScale(), 8);
+  EXPECT_TRUE(iteration(1));
+  EXPECT_EQ(scaler.currentScale(), 16) << "no growth after growthInterval good steps";
+  auto before = w.detach().clone();
+  EXPECT_FALSE(iteration(std::numeric_limits<float>::infinity()));
+  EXPECT_EQ(scaler.currentScale(), 8) << "no backoff after an inf";
+  EXPECT_TRUE(w.detach().equal(before)) << "the step was not skipped";
+  EXPECT_FALSE(iteration(std::nanf("")));
+  EXPECT_EQ(scaler.currentScale(), 4);
+}
+
+TEST(GradScaler, InfOnOneRankMakesEveryRankSkipAndBackOff) {
+  runThreads(3, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto w = torch::ones({4}, torch::requires_grad());
+    torch::optim::SGD opt({w}, 0.1);
+    hddp::GradScaler scaler({}, comm.get());
+    scaler.scale(w.sum()).backward();
+    if (rank == 1) {
+      torch::NoGradGuard g;
+      w.mutable_grad()[2] = std::numeric_limits<float>::infinity();  // a local overflow
+    }
+    EXPECT_FALSE(scaler.step(opt)) << "rank " << rank << " stepped although rank 1 overflowed";
+    scaler.update();
+    EXPECT_EQ(scaler.currentScale(), 32768.0);
+    EXPECT_TRUE(w.detach().equal(torch::ones({4})));
+  });
+}
+
+TEST(GradScaler, WithDdpAndBf16AutocastTrainsAndStateRoundTrips) {
+  runThreads(2, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(rank);
+    torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+    hddp::DistributedDataParallel ddp(model, *comm);
+    torch::optim::SGD opt(model->parameters(), 0.05);
+    hddp::GradScaler scaler({}, comm.get());
+    auto x = torch::randn({16, 8});
+    auto y = (x.sum(1) > 0).to(torch::kLong);
+    double first = 0;
+    double last = 0;
+    for (int s = 0; s < 30; ++s) {
+      opt.zero_grad();
+      torch::Tensor loss;
+      {
+        hddp::AutocastGuard amp(c10::kCPU);
+        loss = torch::cross_entropy_loss(model->forward(x), y);
+      }
+      scaler.scale(loss).backward();
+      EXPECT_TRUE(scaler.step(opt));
+      scaler.update();
+      (s == 0 ? first : last) = loss.item<double>();
+    }
+    EXPECT_LT(last, first);
+    torch::serialize::OutputArchive out;
+    scaler.save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    hddp::GradScaler restored;
+    torch::serialize::InputArchive in;
+    std::istringstream is(bytes.str());
+    in.load_from(is);
+    restored.load(in);
+    EXPECT_EQ(restored.currentScale(), scaler.currentScale());
+    EXPECT_EQ(restored.growthTracker(), scaler.growthTracker());
+  });
+}
+
+TEST(GradScaler, MisuseIsReported) {
+  hddp::GradScaler scaler;
+  auto w = torch::ones({2}, torch::requires_grad());
+  torch::optim::SGD opt({w}, 0.1);
+  EXPECT_THROW(scaler.unscale(opt), hddp::Error);  // before scale()
+  scaler.scale(w.sum()).backward();
+  scaler.unscale(opt);
+  EXPECT_THROW(scaler.unscale(opt), hddp::Error);  // twice in one step
+  EXPECT_THROW(hddp::GradScaler(hddp::GradScalerOptions{-1.0}), hddp::Error);
+}
+
+TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  torch::manual_seed(0);
+  torch::nn::Linear model(32, 4);
+  model->to(torch::kCUDA);
+  torch::optim::SGD opt(model->parameters(), 0.01);
+  hddp::GradScalerOptions o;
+  o.initScale = 1e30;  // overflows float16 at once: the scaler must back off
+  hddp::GradScaler scaler(o);
+  auto x = torch::randn({64, 32}, torch::kCUDA);
+  auto y = torch::randint(0, 4, {64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
+  int skipped = 0;
+  for (int s = 0; s < 200; ++s) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      hddp::AutocastGuard amp(c10::kCUDA);
+      loss = torch::cross_entropy_loss(model(x), y);
+      EXPECT_EQ(model(x).scalar_type(), torch::kHalf);
+    }
+    scaler.scale(loss).backward();
+    skipped += scaler.step(opt) ? 0 : 1;
+    scaler.update();
+  }
+  EXPECT_GT(skipped, 0);
+  EXPECT_LT(scaler.currentScale(), 1e30);
+  EXPECT_LT(skipped, 200);
+}
+
+}  // namespace

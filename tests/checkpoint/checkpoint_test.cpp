@@ -1,0 +1,138 @@
+#include "hddp/checkpoint/checkpoint.h"
+#include "hddp/core/autocast.h"
+#include "hddp/core/error.h"
+#include "hddp/ddp/distributed_data_parallel.h"
+
+#include "support/ranks.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+namespace {
+
+torch::nn::Sequential makeNet() {
+  return torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Dropout(0.3),
+                               torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Dropout(0.2),
+                               torch::nn::Linear(32, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
+}
+
+void copyState(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard g;
+  auto src = from.named_parameters();
+  for (auto& p : to.named_parameters()) {
+    p.value().copy_(src[p.key()]);
+  }
+}
+
+TEST(Checkpoint, SequentialGradientsAreBitEqualWithDropout) {
+  torch::manual_seed(0);
+  auto plain = makeNet();
+  auto inner = makeNet();
+  copyState(*plain, *inner);
+  hddp::CheckpointedSequential ckpt(inner, 3);
+  auto x = torch::randn({8, 10});
+  auto xp = x.clone().requires_grad_();
+  auto xc = x.clone().requires_grad_();
+  torch::manual_seed(42);
+  plain->forward(xp).pow(2).sum().backward();
+  torch::manual_seed(42);
+  ckpt->forward(xc).pow(2).sum().backward();
+  EXPECT_TRUE(torch::equal(xp.grad(), xc.grad()));
+  auto pp = plain->parameters();
+  auto pc = inner->parameters();
+  ASSERT_EQ(pp.size(), pc.size());
+  for (size_t i = 0; i < pp.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pp[i].grad(), pc[i].grad())) << "parameter " << i;
+  }
+  // The RNG moved on exactly as without checkpointing.
+  torch::manual_seed(42);
+  plain->forward(x);
+  auto a = torch::rand({4});
+  torch::manual_seed(42);
+  ckpt->forward(x);
+  auto b = torch::rand({4});
+  EXPECT_TRUE(torch::equal(a, b));
+}
+
+TEST(Checkpoint, FunctionFormUnderBf16Autocast) {
+  torch::manual_seed(1);
+  torch::nn::Linear l1(6, 6);
+  torch::nn::Linear l2(6, 2);
+  auto x = torch::randn({4, 6}, torch::requires_grad());
+  auto run = [&](bool useCheckpoint) {
+    for (auto& p : l1->parameters()) p.mutable_grad() = torch::Tensor();
+    for (auto& p : l2->parameters()) p.mutable_grad() = torch::Tensor();
+    x.mutable_grad() = torch::Tensor();
+    torch::Tensor y;
+    {
+      hddp::AutocastGuard amp(c10::kCPU);
+      auto body = [&](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{torch::gelu(l1(in[0]))};
+      };
+      auto h = useCheckpoint ? hddp::checkpoint(body, {x}, l1->parameters())[0] : body({x})[0];
+      EXPECT_EQ(h.scalar_type(), torch::kBFloat16);
+      y = l2(h).to(torch::kFloat).sum();
+    }
+    y.backward();
+    return std::make_pair(x.grad().clone(), l1->weight.grad().clone());
+  };
+  auto plain = run(false);
+  auto ckpt = run(true);
+  EXPECT_TRUE(torch::equal(plain.first, ckpt.first));
+  EXPECT_TRUE(torch::equal(plain.second, ckpt.second));
+}
+
+TEST(Checkpoint, MisuseIsReported) {
+  torch::nn::Linear l(3, 3);
+  auto x = torch::randn({2, 3});  // does not require grad
+  auto body = [&](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{l(in[0])}; };
+  EXPECT_THROW(hddp::checkpoint(body, {x}), hddp::Error);  // nothing to differentiate
+  auto xg = torch::randn({2, 3}, torch::requires_grad());
+  auto out = hddp::checkpoint(body, {xg});  // l's parameters not passed
+  try {
+    out[0].sum().backward();
+    FAIL() << "expected an error about the unlisted parameter";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("neither an input nor in `parameters`"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(hddp::CheckpointedSequential(torch::nn::Sequential(torch::nn::Linear(2, 2)), 0), hddp::Error);
+}
+
+TEST(Checkpoint, GradientsReachDdpBucketsAndMatchPlainDdp) {
+  hddp::testing::runThreads(2, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(7);
+    auto plainNet = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
+                                          torch::nn::Tanh(), torch::nn::Linear(32, 3));
+    auto innerNet = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
+                                          torch::nn::Tanh(), torch::nn::Linear(32, 3));
+    copyState(*plainNet, *innerNet);
+    hddp::CheckpointedSequential ckpt(innerNet, 2);
+    hddp::DdpOptions opts;
+    opts.firstBucketBytes = 1024;
+    opts.bucketCapBytes = 2048;
+    hddp::DistributedDataParallel plainDdp(plainNet, *comm, opts);
+    hddp::DistributedDataParallel ckptDdp(ckpt, *comm, opts);
+    auto x = torch::randn({6, 10}) * (rank + 1);
+    for (int step = 0; step < 2; ++step) {
+      plainDdp.setBatch(rank == 0 ? 2 : 4, 6);
+      ckptDdp.setBatch(rank == 0 ? 2 : 4, 6);
+      plainNet->forward(x).pow(2).mean().backward();
+      ckpt->forward(x).pow(2).mean().backward();
+      EXPECT_GE(ckptDdp.lastStepStats().buckets, 2);
+      EXPECT_EQ(ckptDdp.lastStepStats().unusedParameters, 0);
+      auto pp = plainNet->parameters();
+      auto pc = innerNet->parameters();
+      for (size_t i = 0; i < pp.size(); ++i) {
+        EXPECT_TRUE(torch::allclose(pp[i].grad(), pc[i].grad(), 1e-6, 1e-7))
+            << "step " << step << " param " << i << ": " << pp[i].grad().flatten().narrow(0, 0, 3) << " vs "
+            << pc[i].grad().flatten().narrow(0, 0, 3);
+      }
+      for (auto& p : pp) p.mutable_grad().zero_();
+      for (auto& p : pc) p.mutable_grad().zero_();
+    }
+  });
+}
+
+}  // namespace

@@ -5,6 +5,7 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/pooling.h>
 
+#include "hddp/checkpoint/checkpoint.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/sync_batch_norm.h"
 
@@ -116,6 +117,7 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     stages_.push_back(register_module("stage" + std::to_string(s + 1), stage));
   }
   fc_ = register_module("fc", nn::Linear(in, o.numClasses));
+  checkpoint_ = o.checkpointActivations;
   for (auto& m : modules(/*include_self=*/false)) {
     if (auto* c = m->as<nn::Conv2d>()) {
       nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
@@ -124,8 +126,20 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
 }
 
 torch::Tensor ResNetImpl::forward(torch::Tensor x) {
-  for (auto& stage : stages_) {
-    x = stage->forward(x);
+  for (size_t s = 0; s < stages_.size(); ++s) {
+    if (!checkpoint_ || !is_training() || s == 0) {
+      x = stages_[s]->forward(x);
+      continue;
+    }
+    for (size_t b = 0; b < stages_[s]->size(); ++b) {
+      auto block = stages_[s]->ptr(b);
+      auto* impl = stages_[s][b]->as<BlockImpl>();
+      x = checkpoint(
+          [impl](const std::vector<torch::Tensor>& in) {
+            return std::vector<torch::Tensor>{impl->forward(in[0])};
+          },
+          {x}, block->parameters())[0];
+    }
   }
   x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
   return fc_->forward(x);

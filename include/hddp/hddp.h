@@ -1,12 +1,12 @@
 // Umbrella header: the whole public API of hddp.
 #pragma once
 
+#include "hddp/amp/grad_scaler.h"
+#include "hddp/checkpoint/checkpoint.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/rendezvous.h"
 #include "hddp/comm/store.h"
 #include "hddp/comm/work.h"
-#include "hddp/amp/grad_scaler.h"
-#include "hddp/checkpoint/checkpoint.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"

@@ -1,17 +1,18 @@
 #include "hddp/amp/grad_scaler.h"
 
-#include "hddp/core/error.h"
-#include "hddp/core/logging.h"
-
 #include <ATen/ATen.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
+
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 namespace hddp {
 namespace {
 
 // Native kernel when the device has one, plain tensor ops otherwise.
-void unscaleAndCheck(std::vector<at::Tensor>& grads, at::Tensor& foundInf, const at::Tensor& invScale) {
+void unscaleAndCheck(std::vector<at::Tensor>& grads, at::Tensor& foundInf,
+                     const at::Tensor& invScale) {
   try {
     at::_amp_foreach_non_finite_check_and_unscale_(grads, foundInf, invScale);
     return;
@@ -24,8 +25,8 @@ void unscaleAndCheck(std::vector<at::Tensor>& grads, at::Tensor& foundInf, const
   foundInf.clamp_max_(1);
 }
 
-void updateScale(at::Tensor& scale, at::Tensor& tracker, const at::Tensor& foundInf, double growth, double backoff,
-                 int64_t interval) {
+void updateScale(at::Tensor& scale, at::Tensor& tracker, const at::Tensor& foundInf, double growth,
+                 double backoff, int64_t interval) {
   try {
     at::_amp_update_scale_(scale, tracker, foundInf, growth, backoff, interval);
     return;
@@ -46,8 +47,10 @@ void updateScale(at::Tensor& scale, at::Tensor& tracker, const at::Tensor& found
 
 GradScaler::GradScaler(GradScalerOptions options, Communicator* communicator)
     : options_(options), communicator_(communicator) {
-  HDDP_CHECK(options_.initScale > 0, "GradScaler: initScale must be positive, got ", options_.initScale);
-  HDDP_CHECK(options_.growthFactor > 1.0, "GradScaler: growthFactor must be > 1, got ", options_.growthFactor);
+  HDDP_CHECK(options_.initScale > 0, "GradScaler: initScale must be positive, got ",
+             options_.initScale);
+  HDDP_CHECK(options_.growthFactor > 1.0, "GradScaler: growthFactor must be > 1, got ",
+             options_.growthFactor);
   HDDP_CHECK(options_.backoffFactor > 0 && options_.backoffFactor < 1.0,
              "GradScaler: backoffFactor must be in (0, 1), got ", options_.backoffFactor);
   HDDP_CHECK(options_.growthInterval > 0, "GradScaler: growthInterval must be positive, got ",
@@ -56,7 +59,8 @@ GradScaler::GradScaler(GradScalerOptions options, Communicator* communicator)
 
 void GradScaler::lazyInit(const at::Device& device) {
   if (!scale_.defined()) {
-    scale_ = at::full({1}, options_.initScale, at::TensorOptions().dtype(at::kFloat).device(device));
+    scale_ =
+        at::full({1}, options_.initScale, at::TensorOptions().dtype(at::kFloat).device(device));
     growthTracker_ = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   } else if (scale_.device() != device) {
     scale_ = scale_.to(device);
@@ -78,8 +82,9 @@ void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   }
   HDDP_CHECK(scale_.defined(), "GradScaler::unscale before scale(): scale the loss first");
   PerOptimizer& state = perOptimizer_[&optimizer];
-  HDDP_CHECK(!state.unscaled, "GradScaler::unscale called twice for one optimizer in one step; call update() "
-                              "after each step");
+  HDDP_CHECK(!state.unscaled,
+             "GradScaler::unscale called twice for one optimizer in one step; call update() "
+             "after each step");
   HDDP_CHECK(!state.stepped, "GradScaler::unscale after step(): call update() first");
   at::Tensor invScale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   state.foundInf = at::zeros({1}, scale_.options());
@@ -88,7 +93,8 @@ void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       if (p.grad().defined()) {
-        groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(p.mutable_grad());
+        groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(
+            p.mutable_grad());
       }
     }
   }
@@ -123,11 +129,13 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   HDDP_CHECK(scale_.defined(), "GradScaler::step before scale(): scale the loss first");
   PerOptimizer& state = perOptimizer_[&optimizer];
-  HDDP_CHECK(!state.stepped, "GradScaler::step called twice for one optimizer in one step; call update()");
+  HDDP_CHECK(!state.stepped,
+             "GradScaler::step called twice for one optimizer in one step; call update()");
   const bool skip = foundInfFor(optimizer).item<float>() > 0;
   state.stepped = true;
   if (skip) {
-    HDDP_LOG_DEBUG("amp", "inf/NaN gradients: skipping the optimizer step at scale ", currentScale());
+    HDDP_LOG_DEBUG("amp", "inf/NaN gradients: skipping the optimizer step at scale ",
+                   currentScale());
     return false;
   }
   optimizer.step();
@@ -138,7 +146,8 @@ void GradScaler::update() {
   if (!options_.enabled || !scale_.defined()) {
     return;
   }
-  HDDP_CHECK(!perOptimizer_.empty(), "GradScaler::update without unscale()/step() in this iteration");
+  HDDP_CHECK(!perOptimizer_.empty(),
+             "GradScaler::update without unscale()/step() in this iteration");
   at::Tensor found = at::zeros({1}, scale_.options());
   for (auto& entry : perOptimizer_) {
     if (entry.second.foundInf.defined()) {
@@ -155,7 +164,9 @@ double GradScaler::currentScale() const {
   return scale_.defined() ? scale_.item<double>() : options_.initScale;
 }
 
-int64_t GradScaler::growthTracker() const { return growthTracker_.defined() ? growthTracker_.item<int64_t>() : 0; }
+int64_t GradScaler::growthTracker() const {
+  return growthTracker_.defined() ? growthTracker_.item<int64_t>() : 0;
+}
 
 void GradScaler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("scale", at::full({1}, currentScale(), at::kDouble));

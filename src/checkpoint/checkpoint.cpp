@@ -1,17 +1,17 @@
 #include "hddp/checkpoint/checkpoint.h"
 
-#include "core/gradient_capture.h"
-#include "core/torch_compat.h"
-#include "hddp/core/error.h"
-
-#include <ATen/core/Generator.h>
 #include <ATen/Context.h>
+#include <ATen/core/Generator.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/custom_class.h>
 
 #include <set>
+
+#include "core/gradient_capture.h"
+#include "core/torch_compat.h"
+#include "hddp/core/error.h"
 
 namespace hddp {
 namespace {
@@ -116,7 +116,8 @@ struct CheckpointAutograd : public torch::autograd::Function<CheckpointAutograd>
   // `all` = inputs followed by parameters.
   // `all` must be a TensorList: Function::apply creates graph edges for the elements
   // of an ArrayRef argument, not for those of a std::vector.
-  static variable_list forward(AutogradContext* ctx, const c10::intrusive_ptr<CheckpointState>& state,
+  static variable_list forward(AutogradContext* ctx,
+                               const c10::intrusive_ptr<CheckpointState>& state,
                                at::TensorList all) {
     variable_list inputs(all.begin(), all.begin() + static_cast<long>(state->numInputs));
     variable_list outputs;
@@ -131,7 +132,8 @@ struct CheckpointAutograd : public torch::autograd::Function<CheckpointAutograd>
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list gradOutputs) {
-    auto state = c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
+    auto state =
+        c10::static_intrusive_pointer_cast<CheckpointState>(ctx->saved_data["state"].toCapsule());
     const int64_t numParams = ctx->saved_data["num_params"].toInt();
     variable_list saved = ctx->get_saved_variables();
     variable_list detached;
@@ -169,8 +171,10 @@ struct CheckpointAutograd : public torch::autograd::Function<CheckpointAutograd>
       for (const auto& p : params) {
         known = known || leaf.is_same(p);
       }
-      HDDP_CHECK(known, "hddp::checkpoint: the function used a tensor that requires grad (shape ", leaf.sizes(),
-                 ") but was neither an input nor in `parameters`; its gradient would be lost. Pass it (e.g. "
+      HDDP_CHECK(known, "hddp::checkpoint: the function used a tensor that requires grad (shape ",
+                 leaf.sizes(),
+                 ") but was neither an input nor in `parameters`; its gradient would be lost. Pass "
+                 "it (e.g. "
                  "module->parameters()) as the third argument.");
     }
     variable_list wrt;
@@ -190,7 +194,8 @@ struct CheckpointAutograd : public torch::autograd::Function<CheckpointAutograd>
       // The parameters' hooks run again when these gradients reach them through the
       // outer backward; transforming hooks skip this capture (see gradient_capture.h).
       detail::GradientCaptureScope capture;
-      grads = torch::autograd::grad(roots, wrt, rootGrads, /*retain_graph=*/false, /*create_graph=*/false,
+      grads = torch::autograd::grad(roots, wrt, rootGrads, /*retain_graph=*/false,
+                                    /*create_graph=*/false,
                                     /*allow_unused=*/true);
     }
     for (size_t k = 0; k < grads.size(); ++k) {
@@ -209,7 +214,8 @@ struct CheckpointAutograd : public torch::autograd::Function<CheckpointAutograd>
 
 }  // namespace
 
-std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn,
+                                   const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& parameters) {
   HDDP_CHECK(static_cast<bool>(fn), "hddp::checkpoint: the function is empty");
   bool anyGrad = false;
@@ -226,10 +232,11 @@ std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn, const std::vect
   if (!torch::GradMode::is_enabled()) {
     return fn(inputs);  // no graph is being recorded: nothing to save
   }
-  HDDP_CHECK(anyGrad || !trainable.empty(),
-             "hddp::checkpoint: no input requires grad and no parameters were given, so the recomputation "
-             "could never produce a gradient. Pass the parameters the function uses (e.g. "
-             "module->parameters()), or call the function directly.");
+  HDDP_CHECK(
+      anyGrad || !trainable.empty(),
+      "hddp::checkpoint: no input requires grad and no parameters were given, so the recomputation "
+      "could never produce a gradient. Pass the parameters the function uses (e.g. "
+      "module->parameters()), or call the function directly.");
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
   state->numInputs = inputs.size();
@@ -257,7 +264,8 @@ std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn, const std::vect
   return CheckpointAutograd::apply(state, at::TensorList(all));
 }
 
-CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential sequential, int segments)
+CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential sequential,
+                                                       int segments)
     : sequential_(std::move(sequential)), segments_(segments) {
   HDDP_CHECK(sequential_, "CheckpointedSequential needs a Sequential");
   HDDP_CHECK(segments_ >= 1, "CheckpointedSequential needs at least one segment, got ", segments_);
@@ -301,10 +309,11 @@ at::Tensor CheckpointedSequentialImpl::forward(const at::Tensor& input) {
       h = runRange(begin, end, h);
       continue;
     }
-    h = checkpoint([this, begin, end](const std::vector<at::Tensor>& in) {
+    h = checkpoint(
+        [this, begin, end](const std::vector<at::Tensor>& in) {
           return std::vector<at::Tensor>{runRange(begin, end, in[0])};
         },
-                   {h}, params)[0];
+        {h}, params)[0];
   }
   return h;
 }

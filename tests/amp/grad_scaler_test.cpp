@@ -1,15 +1,14 @@
 #include "hddp/amp/grad_scaler.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
-
 #include "support/ranks.h"
-
-#include <torch/torch.h>
-
-#include <gtest/gtest.h>
-
-#include <cmath>
 
 namespace {
 
@@ -37,12 +36,14 @@ TEST(GradScaler, UnscaledGradientsEqualPlainGradients) {
   hddp::GradScaler scaler;
   torch::optim::SGD opt(scaled->parameters(), 0.1);
   scaler.scale(scaled(x).pow(2).mean()).backward();
-  EXPECT_FALSE(torch::allclose(scaled->weight.grad(), plain->weight.grad())) << "the loss was not scaled";
+  EXPECT_FALSE(torch::allclose(scaled->weight.grad(), plain->weight.grad()))
+      << "the loss was not scaled";
   scaler.unscale(opt);
   auto a = grads(*plain);
   auto b = grads(*scaled);
   for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7)) << i;  // power-of-two scale: exact up to rounding
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7))
+        << i;  // power-of-two scale: exact up to rounding
   }
   EXPECT_TRUE(scaler.step(opt));
   scaler.update();
@@ -99,7 +100,8 @@ TEST(GradScaler, WithDdpAndBf16AutocastTrainsAndStateRoundTrips) {
   runThreads(2, [](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
     torch::manual_seed(rank);
-    torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 2));
+    torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                                torch::nn::Linear(16, 2));
     hddp::DistributedDataParallel ddp(model, *comm);
     torch::optim::SGD opt(model->parameters(), 0.05);
     hddp::GradScaler scaler({}, comm.get());
@@ -157,7 +159,8 @@ TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {
   o.initScale = 1e30;  // overflows float16 at once: the scaler must back off
   hddp::GradScaler scaler(o);
   auto x = torch::randn({64, 32}, torch::kCUDA);
-  auto y = torch::randint(0, 4, {64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
+  auto y =
+      torch::randint(0, 4, {64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
   int skipped = 0;
   for (int s = 0; s < 200; ++s) {
     opt.zero_grad();

@@ -1,20 +1,20 @@
 #include "hddp/checkpoint/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
-
 #include "support/ranks.h"
-
-#include <torch/torch.h>
-
-#include <gtest/gtest.h>
 
 namespace {
 
 torch::nn::Sequential makeNet() {
-  return torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Dropout(0.3),
-                               torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Dropout(0.2),
-                               torch::nn::Linear(32, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
+  return torch::nn::Sequential(
+      torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Dropout(0.3),
+      torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Dropout(0.2),
+      torch::nn::Linear(32, 16), torch::nn::ReLU(), torch::nn::Linear(16, 3));
 }
 
 void copyState(torch::nn::Module& from, torch::nn::Module& to) {
@@ -86,7 +86,9 @@ TEST(Checkpoint, FunctionFormUnderBf16Autocast) {
 TEST(Checkpoint, MisuseIsReported) {
   torch::nn::Linear l(3, 3);
   auto x = torch::randn({2, 3});  // does not require grad
-  auto body = [&](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{l(in[0])}; };
+  auto body = [&](const std::vector<torch::Tensor>& in) {
+    return std::vector<torch::Tensor>{l(in[0])};
+  };
   EXPECT_THROW(hddp::checkpoint(body, {x}), hddp::Error);  // nothing to differentiate
   auto xg = torch::randn({2, 3}, torch::requires_grad());
   auto out = hddp::checkpoint(body, {xg});  // l's parameters not passed
@@ -94,19 +96,23 @@ TEST(Checkpoint, MisuseIsReported) {
     out[0].sum().backward();
     FAIL() << "expected an error about the unlisted parameter";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("neither an input nor in `parameters`"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("neither an input nor in `parameters`"), std::string::npos)
+        << e.what();
   }
-  EXPECT_THROW(hddp::CheckpointedSequential(torch::nn::Sequential(torch::nn::Linear(2, 2)), 0), hddp::Error);
+  EXPECT_THROW(hddp::CheckpointedSequential(torch::nn::Sequential(torch::nn::Linear(2, 2)), 0),
+               hddp::Error);
 }
 
 TEST(Checkpoint, GradientsReachDdpBucketsAndMatchPlainDdp) {
   hddp::testing::runThreads(2, [](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
     torch::manual_seed(7);
-    auto plainNet = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
-                                          torch::nn::Tanh(), torch::nn::Linear(32, 3));
-    auto innerNet = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(), torch::nn::Linear(32, 32),
-                                          torch::nn::Tanh(), torch::nn::Linear(32, 3));
+    auto plainNet = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
+                                          torch::nn::Linear(32, 32), torch::nn::Tanh(),
+                                          torch::nn::Linear(32, 3));
+    auto innerNet = torch::nn::Sequential(torch::nn::Linear(10, 32), torch::nn::ReLU(),
+                                          torch::nn::Linear(32, 32), torch::nn::Tanh(),
+                                          torch::nn::Linear(32, 3));
     copyState(*plainNet, *innerNet);
     hddp::CheckpointedSequential ckpt(innerNet, 2);
     hddp::DdpOptions opts;
@@ -126,8 +132,8 @@ TEST(Checkpoint, GradientsReachDdpBucketsAndMatchPlainDdp) {
       auto pc = innerNet->parameters();
       for (size_t i = 0; i < pp.size(); ++i) {
         EXPECT_TRUE(torch::allclose(pp[i].grad(), pc[i].grad(), 1e-6, 1e-7))
-            << "step " << step << " param " << i << ": " << pp[i].grad().flatten().narrow(0, 0, 3) << " vs "
-            << pc[i].grad().flatten().narrow(0, 0, 3);
+            << "step " << step << " param " << i << ": " << pp[i].grad().flatten().narrow(0, 0, 3)
+            << " vs " << pc[i].grad().flatten().narrow(0, 0, 3);
       }
       for (auto& p : pp) p.mutable_grad().zero_();
       for (auto& p : pc) p.mutable_grad().zero_();

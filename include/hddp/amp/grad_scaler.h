@@ -21,12 +21,12 @@
 // disabled scaler passes everything through.
 #pragma once
 
-#include "hddp/comm/communicator.h"
-
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
+
+#include "hddp/comm/communicator.h"
 
 namespace torch {
 namespace optim {

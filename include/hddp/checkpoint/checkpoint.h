@@ -18,14 +18,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
 
 #include <functional>
 #include <memory>
 #include <vector>
-
-#include <torch/nn/cloneable.h>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/pimpl.h>
 
 namespace hddp {
 
@@ -35,7 +34,8 @@ using CheckpointFunction = std::function<std::vector<at::Tensor>(const std::vect
 /// requiring grad that `fn` uses besides `inputs` (e.g. module->parameters()).
 /// Throws hddp::Error when nothing requires grad (the call would be pointless and the
 /// gradient lost) and, in backward, when `fn` used an unlisted parameter.
-std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn, const std::vector<at::Tensor>& inputs,
+std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn,
+                                   const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& parameters = {});
 
 /// A Sequential split into `segments` contiguous segments; in training mode all but

@@ -2,6 +2,9 @@
 #pragma once
 
 #include "hddp/amp/grad_scaler.h"
+#include "hddp/balance/batch_plan.h"
+#include "hddp/balance/emulation.h"
+#include "hddp/balance/planner.h"
 #include "hddp/checkpoint/checkpoint.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/rendezvous.h"
@@ -11,6 +14,8 @@
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/data/distributed_sampler.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/sync_batch_norm.h"
+#include "hddp/topology/topology.h"
 #include "hddp/version.h"

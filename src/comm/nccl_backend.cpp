@@ -10,6 +10,14 @@ namespace hddp {
 
 bool ncclAvailable() noexcept { return true; }
 
+std::string ncclVersion() {
+  try {
+    return c10d::getNcclVersion();
+  } catch (const std::exception& e) {
+    return std::string("unknown (") + e.what() + ")";
+  }
+}
+
 namespace detail {
 
 c10::intrusive_ptr<c10d::Backend> createNcclBackend(const c10::intrusive_ptr<c10d::Store>& store,

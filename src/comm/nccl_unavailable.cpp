@@ -6,6 +6,8 @@ namespace hddp {
 
 bool ncclAvailable() noexcept { return false; }
 
+std::string ncclVersion() { return "not built"; }
+
 namespace detail {
 
 c10::intrusive_ptr<c10d::Backend> createNcclBackend(const c10::intrusive_ptr<c10d::Store>&, int,

@@ -179,4 +179,35 @@ TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {
   EXPECT_LT(skipped, 200);
 }
 
+TEST(GradScaler, Bf16AutocastTrainsWithoutScaler_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 4));
+  model->to(torch::kCUDA);
+  torch::optim::SGD opt(model->parameters(), 0.05);
+  hddp::GradScaler disabled(hddp::GradScalerOptions{65536.0, 2.0, 0.5, 2000, /*enabled=*/false});
+  auto x = torch::randn({128, 32}, torch::kCUDA);
+  auto y = (x.sum(1) > 0).to(torch::kLong);
+  double first = 0;
+  double last = 0;
+  for (int s = 0; s < 50; ++s) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      hddp::AutocastGuard amp(c10::kCUDA, c10::kBFloat16);
+      auto out = model->forward(x);
+      EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
+      loss = torch::cross_entropy_loss(out, y);
+    }
+    disabled.scale(loss).backward();
+    EXPECT_TRUE(disabled.step(opt));
+    disabled.update();
+    (s == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, 0.7 * first);
+}
+
 }  // namespace

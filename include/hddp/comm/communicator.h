@@ -94,5 +94,7 @@ std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int
 
 /// Whether this build can create NCCL communicators (CUDA sources compiled in).
 bool ncclAvailable() noexcept;
+/// The NCCL version LibTorch loads ("2.28.9"), or "not built" without CUDA.
+std::string ncclVersion();
 
 }  // namespace hddp

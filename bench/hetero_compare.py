@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Unlike ranks: equal split (PyTorch DDP's) vs hddp's planner, and adaptation.
+
+2 CPU ranks train ResNet-20 (28x28 inputs, synthetic data, 1 thread each); rank 1 is
+emulated --slowdown times slower (HDDP_EMULATE_SLOWDOWN, announced in its log). All in
+one run:
+  - ideal: both ranks alone at once (no communication), the sum of their samples/s;
+  - equal split and planner: global samples/s as a fraction of the ideal;
+  - adaptation: planner run in which rank 1's slowdown halves at --change-at; steps until
+    rank 1's share is within 5% of the best share B/(k+1) (equal base speeds), and
+    whether the share moves again afterwards (oscillation);
+  - an SVG chart of the shares and step times over the adaptation run.
+
+  bench/hetero_compare.py --build build [--slowdown 3 --steps 60 --svg docs/hetero.svg]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def run(launcher, bench, mode, args, env):
+    out = subprocess.run([launcher, "--nproc-per-node", "2", "--no-prefix", "--", bench, "--mode", mode] + args,
+                         env=env, check=True, capture_output=True, text=True)
+    rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+    return [r for r in rows if r["kind"] == "step"], [r for r in rows if r["kind"] == "summary"]
+
+
+def svg_chart(steps, B, change_at, best_before, best_after, path):
+    w, h, pad = 720, 300, 50
+    n = len(steps)
+    xs = lambda i: pad + (w - 2 * pad) * i / max(1, n - 1)
+    share = [s["local"][1] / B for s in steps]
+    times = [s["step_seconds"] for s in steps]
+    tmax = max(times) * 1.1
+    ys = lambda v: h - pad - (h - 2 * pad) * v
+    yt = lambda t: h - pad - (h - 2 * pad) * t / tmax
+    line = lambda pts, color: '<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>' % (
+        color, " ".join("%.1f,%.1f" % p for p in pts))
+    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (w, h),
+             '<rect width="100%" height="100%" fill="white"/>',
+             '<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (pad, h - pad, w - pad, h - pad),
+             '<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (pad, pad, pad, h - pad),
+             line([(xs(i), ys(v)) for i, v in enumerate(share)], "#1f77b4"),
+             line([(xs(i), yt(t)) for i, t in enumerate(times)], "#ff7f0e")]
+    for best, lo, hi in ((best_before, 0, change_at), (best_after, change_at, n - 1)):
+        parts.append('<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#1f77b4" stroke-dasharray="4 3"/>' % (
+            xs(lo), ys(best), xs(hi), ys(best)))
+    parts.append('<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="gray" stroke-dasharray="2 2"/>' % (
+        xs(change_at), pad, xs(change_at), h - pad))
+    parts += ['<text x="%d" y="20">rank 1 share of the global batch (blue; dashed: best) and step time (orange, max %.2f s)</text>' % (pad, tmax),
+              '<text x="%.1f" y="%d">rank 1 speeds up 2x</text>' % (xs(change_at) + 4, pad + 12),
+              '<text x="%d" y="%d">step</text>' % (w // 2, h - 15)]
+    for v in (0, 0.25, 0.5):
+        parts.append('<text x="5" y="%.1f">%.2f</text>' % (ys(v) + 4, v))
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--build", default=os.path.join(here, "..", "build"))
+    p.add_argument("--slowdown", type=float, default=3.0)
+    p.add_argument("--global-batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--change-at", type=int, default=40)
+    p.add_argument("--svg", default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    launcher = os.path.join(a.build, "tools", "hddp-run", "hddp-run")
+    bench = os.path.join(a.build, "bench", "hetero_bench")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HDDP_LOG_LEVEL="warn", HDDP_EMULATE_SLOWDOWN="1:%g" % a.slowdown)
+    B, k = a.global_batch, a.slowdown
+    common = ["--global-batch", str(B), "--steps", str(a.steps)]
+    _, solo = run(launcher, bench, "solo", common, env)
+    ideal = sum(r["solo_samples_per_s"] for r in solo)
+    _, equal = run(launcher, bench, "equal", common, env)
+    plan_steps, planner = run(launcher, bench, "planner", common, env)
+    eq = equal[0]["global_samples_per_s"] / ideal
+    pl = planner[0]["global_samples_per_s"] / ideal
+    print(f"2 CPU ranks, ResNet-20 28x28, global batch {B}, rank 1 emulated {k:g}x slower, {a.steps} steps")
+    print(f"  ideal (solo, at once): {ideal:.1f} samples/s  (rank 0 {solo[0]['solo_samples_per_s']:.1f}, rank 1 {solo[1]['solo_samples_per_s']:.1f})")
+    print(f"  equal split:  {equal[0]['global_samples_per_s']:.1f} samples/s = {eq:.3f} of ideal (theory 2/(k+1) = {2 / (k + 1):.3f})")
+    print(f"  hddp planner: {planner[0]['global_samples_per_s']:.1f} samples/s = {pl:.3f} of ideal; final split {plan_steps[-1]['local']}")
+    # Adaptation: rank 1's slowdown k -> k/2 at change_at.
+    total = a.change_at + a.steps
+    adapt_steps, _ = run(launcher, bench, "planner", ["--global-batch", str(B), "--steps", str(total),
+                                                      "--change-at", str(a.change_at), "--change-to", str(k / 2)], env)
+    best_after = B / (k / 2 + 1)
+    within = None
+    for s in adapt_steps[a.change_at:]:
+        if abs(s["local"][1] - best_after) <= 0.05 * best_after:
+            within = s["step"] - a.change_at
+            break
+    changes = reversals = 0
+    worst = 0.0
+    if within is not None:
+        settled = [s["local"][1] for s in adapt_steps[a.change_at + within:]]
+        moves = [y - x for x, y in zip(settled, settled[1:]) if y != x]
+        changes = len(moves)
+        reversals = sum(1 for m, n in zip(moves, moves[1:]) if (m > 0) != (n > 0))
+        worst = max(abs(x - best_after) / best_after for x in settled)
+    print(f"  adaptation: rank 1 {k:g}x -> {k / 2:g}x slower at step {a.change_at}; best share {best_after:.1f}; "
+          f"within 5% after {within} steps; afterwards {changes} plan changes, {reversals} direction reversals, "
+          f"worst deviation {worst:.1%}")
+    changes_after = {"changes": changes, "reversals": reversals, "worst_deviation": worst}
+    if a.svg:
+        svg_chart(adapt_steps, B, a.change_at, B / (k + 1), best_after, a.svg)
+        print(f"  chart: {a.svg}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"ideal": ideal, "equal_fraction": eq, "planner_fraction": pl, "steps_to_within_5pct": within,
+                       "after_settling": changes_after, "adaptation": adapt_steps}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+// Heterogeneity emulation, for tests, benchmarks and demos only: makes a rank behave
+// like a slower card or one behind a slower link by stretching its measured compute
+// time by a factor and adding transfer time for the bytes it actually moved (it sleeps
+// the difference). Off unless asked for; announced in the log when on.
+//
+//   HDDP_EMULATE_SLOWDOWN=1:3        rank 1 computes 3x slower ("2.0" alone: every rank)
+//   HDDP_EMULATE_LINK_GBPS=1:2.8     rank 1's input link carries 2.8 GB/s
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace hddp {
+
+struct EmulationOptions {
+  /// Compute time multiplier (>= 1). Default 1 (off).
+  double slowdown = 1.0;
+  /// Emulated link bandwidth in bytes/s; 0 = off.
+  double linkBytesPerSecond = 0.0;
+  bool active() const { return slowdown != 1.0 || linkBytesPerSecond > 0; }
+};
+
+/// This rank's emulation from HDDP_EMULATE_SLOWDOWN / HDDP_EMULATE_LINK_GBPS; throws
+/// hddp::ConfigError on malformed values.
+EmulationOptions emulationFromEnv(int rank);
+
+/// Parses "1:3,2:1.5" or "2.0" (all ranks) for `rank`; `fallback` when not listed.
+double parseRankValue(const std::string& variable, const std::string& text, int rank,
+                      double fallback);
+
+class Emulator {
+ public:
+  using Sleep = std::function<void(std::chrono::duration<double>)>;
+  /// `sleep` defaults to std::this_thread::sleep_for; tests pass their own.
+  explicit Emulator(EmulationOptions options, int rank = 0, Sleep sleep = {});
+
+  bool active() const { return options_.active(); }
+  /// After a step that computed for `computeSeconds` and moved `bytesMoved` input
+  /// bytes: sleeps the emulated extra time and returns the emulated compute seconds.
+  double apply(double computeSeconds, int64_t bytesMoved);
+
+ private:
+  EmulationOptions options_;
+  Sleep sleep_;
+};
+
+}  // namespace hddp

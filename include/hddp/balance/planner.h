@@ -1,0 +1,76 @@
+// The online batch planner: measured speed in, split of the global batch out.
+//
+// Each rank records the compute time of its steps (excluding time blocked in
+// communication). Every `rebalanceEvery` steps the ranks exchange their estimates (one
+// small allgather) and every rank solves the same split from the same numbers, so all
+// derive the identical plan without a further round trip. The estimate of a rank is the
+// median seconds per sample over its last `window` steps (robust to outliers); the
+// solver equalises predicted times, and since it re-measures at the sizes actually
+// used, it converges on equal measured times even when cost per sample depends on the
+// batch size. Hysteresis: a new plan is adopted only when it improves the predicted
+// step time by more than `hysteresis` (relative), so the split does not oscillate on
+// noise; a rank whose speed changes (a throttling enclosure) moves the split within
+// about window + rebalanceEvery steps.
+#pragma once
+
+#include <deque>
+#include <vector>
+
+#include "hddp/balance/batch_plan.h"
+#include "hddp/comm/communicator.h"
+
+namespace hddp {
+
+struct PlannerOptions {
+  explicit PlannerOptions(int64_t globalBatch) : globalBatch(globalBatch) {}
+  int64_t globalBatch;
+  /// Steps between plan updates. Default 10.
+  int rebalanceEvery = 10;
+  /// Warm start: the first plan update after this many (calibration) steps, then
+  /// every rebalanceEvery. Default 0 = after rebalanceEvery steps.
+  int calibrationSteps = 0;
+  /// Steps in each rank's median. Default 5.
+  int window = 5;
+  /// Minimum relative improvement of the predicted step time to adopt a new plan.
+  /// Default 0.03.
+  double hysteresis = 0.03;
+  /// Smallest share per rank (1 with SyncBatchNorm, whose layers need a sample on every
+  /// rank). Default 0.
+  int64_t minLocalBatch = 0;
+};
+
+class BatchPlanner {
+ public:
+  /// Starts from `initial` costs (topology or calibration), or an equal split when empty.
+  BatchPlanner(Communicator& communicator, PlannerOptions options,
+               std::vector<RankCost> initial = {});
+
+  const BatchPlan& plan() const { return plan_; }
+  /// This rank's share under the current plan.
+  int64_t localBatch() const { return plan_.local[static_cast<size_t>(comm_.rank())]; }
+
+  /// Records this rank's compute seconds for a step of `samples` samples.
+  void record(int64_t samples, double computeSeconds);
+  /// Ends a step; every rank calls it every step. Every rebalanceEvery steps it
+  /// exchanges estimates and may change the plan; returns true when it did.
+  bool endStep();
+
+  /// The per-rank costs behind the last plan update (for metrics and hddp-probe).
+  const std::vector<RankCost>& costs() const { return costs_; }
+  int64_t step() const { return step_; }
+
+  /// The planning rule itself, without communication: the plan all ranks derive from
+  /// `estimates`, given the current plan. Public for tests and tools.
+  static BatchPlan choose(const std::vector<RankCost>& estimates, const BatchPlan& current,
+                          const PlannerOptions& options);
+
+ private:
+  Communicator& comm_;
+  PlannerOptions options_;
+  BatchPlan plan_;
+  std::vector<RankCost> costs_;
+  std::deque<double> secondsPerSample_;
+  int64_t step_ = 0;
+};
+
+}  // namespace hddp

@@ -1,0 +1,73 @@
+#include "hddp/data/distributed_sampler.h"
+
+#include <numeric>
+
+#include "hddp/core/error.h"
+
+namespace hddp {
+namespace {
+
+// splitmix64: a portable generator, so every rank and platform shuffles identically.
+uint64_t splitmix64(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+DistributedSampler::DistributedSampler(int64_t datasetSize, SamplerOptions options)
+    : size_(datasetSize), options_(options) {
+  HDDP_CHECK(datasetSize > 0, "DistributedSampler needs a non-empty dataset, got ", datasetSize,
+             " samples");
+  setEpoch(0);
+}
+
+void DistributedSampler::setEpoch(int64_t epoch) {
+  HDDP_CHECK(epoch >= 0, "DistributedSampler::setEpoch: epoch must be >= 0, got ", epoch);
+  epoch_ = epoch;
+  position_ = 0;
+  permutation_.resize(static_cast<size_t>(size_));
+  std::iota(permutation_.begin(), permutation_.end(), int64_t(0));
+  if (options_.shuffle) {
+    uint64_t state = options_.seed * 0x100000001B3ull + static_cast<uint64_t>(epoch) + 1;
+    for (int64_t i = size_ - 1; i > 0; --i) {
+      const auto j = static_cast<int64_t>(splitmix64(state) % static_cast<uint64_t>(i + 1));
+      std::swap(permutation_[static_cast<size_t>(i)], permutation_[static_cast<size_t>(j)]);
+    }
+  }
+}
+
+bool DistributedSampler::epochDone(int64_t globalBatch) const {
+  const int64_t left = size_ - position_;
+  return left <= 0 || (options_.dropLast && left < globalBatch);
+}
+
+StepShare DistributedSampler::next(const BatchPlan& plan, int rank) {
+  HDDP_CHECK(plan.global > 0, "DistributedSampler::next: the plan's global batch is ", plan.global);
+  HDDP_CHECK(rank >= 0 && rank < static_cast<int>(plan.local.size()),
+             "DistributedSampler::next: rank ", rank, " is not in a plan of ", plan.local.size(),
+             " ranks");
+  HDDP_CHECK(!epochDone(plan.global), "DistributedSampler: epoch ", epoch_,
+             " is done; call setEpoch(epoch + 1) to start the next");
+  StepShare share;
+  share.plan = size_ - position_ < plan.global ? scalePlan(plan, size_ - position_) : plan;
+  share.globalBatch = share.plan.global;
+  share.localBatch = share.plan.local[static_cast<size_t>(rank)];
+  const int64_t begin = position_ + share.plan.offsetOf(rank);
+  share.indices.assign(permutation_.begin() + begin,
+                       permutation_.begin() + begin + share.localBatch);
+  position_ += share.globalBatch;
+  return share;
+}
+
+void DistributedSampler::restore(const State& state) {
+  HDDP_CHECK(state.position >= 0 && state.position <= size_,
+             "DistributedSampler::restore: position ", state.position, " is outside a dataset of ",
+             size_, " samples (was the state saved for another dataset?)");
+  setEpoch(state.epoch);
+  position_ = state.position;
+}
+
+}  // namespace hddp

@@ -1,0 +1,246 @@
+// The split solver against brute force, the planner's rule, and the sampler's
+// exactly-once property under changing plans.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <random>
+#include <set>
+
+#include "hddp/balance/batch_plan.h"
+#include "hddp/balance/emulation.h"
+#include "hddp/balance/planner.h"
+#include "hddp/core/error.h"
+#include "hddp/data/distributed_sampler.h"
+#include "support/ranks.h"
+
+namespace {
+
+using hddp::BatchPlan;
+using hddp::RankCost;
+
+// Minimum over all compositions of B into n capped parts of the slowest predicted time.
+double bruteForce(const std::vector<RankCost>& ranks, int64_t B) {
+  double best = std::numeric_limits<double>::infinity();
+  std::vector<int64_t> b(ranks.size(), 0);
+  std::function<void(size_t, int64_t)> rec = [&](size_t i, int64_t left) {
+    if (i + 1 == ranks.size()) {
+      if (left <= ranks[i].maxSamples) {
+        b[i] = left;
+        best = std::min(best, hddp::predictedSeconds(ranks, b));
+      }
+      return;
+    }
+    for (int64_t k = 0; k <= std::min(left, ranks[i].maxSamples); ++k) {
+      b[i] = k;
+      rec(i + 1, left - k);
+    }
+  };
+  rec(0, B);
+  return best;
+}
+
+TEST(SplitSolver, OptimalAgainstBruteForce) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> speed(0.01, 0.2);
+  std::uniform_real_distribution<double> fixed(0.0, 0.3);
+  std::uniform_int_distribution<int> coin(0, 3);
+  int cases = 0;
+  for (int n = 1; n <= 4; ++n) {
+    for (int64_t B = 0; B <= 12; ++B) {
+      for (int trial = 0; trial < 8; ++trial) {
+        std::vector<RankCost> ranks(n);
+        int64_t capacity = 0;
+        for (auto& r : ranks) {
+          r.secondsPerSample = speed(rng);
+          r.fixedSeconds = coin(rng) == 0 ? 0.0 : fixed(rng);
+          if (coin(rng) == 0) {
+            r.bytesPerSample = 3e6;
+            r.linkBytesPerSecond = 2.8e9;  // an eGPU's PCIe 3.0 x4
+          }
+          r.maxSamples = coin(rng) == 0 ? std::uniform_int_distribution<int64_t>(0, 6)(rng) : 1000;
+          capacity += r.maxSamples;
+        }
+        if (capacity < B) {
+          EXPECT_THROW(hddp::solveSplit(ranks, B), hddp::ConfigError);
+          continue;
+        }
+        const BatchPlan plan = hddp::solveSplit(ranks, B);
+        int64_t sum = 0;
+        for (int i = 0; i < n; ++i) {
+          EXPECT_GE(plan.local[i], 0);
+          EXPECT_LE(plan.local[i], ranks[i].maxSamples);
+          sum += plan.local[i];
+        }
+        ASSERT_EQ(sum, B);
+        EXPECT_NEAR(plan.predictedStepSeconds, bruteForce(ranks, B), 1e-12)
+            << "n " << n << " B " << B;
+        ++cases;
+      }
+    }
+  }
+  EXPECT_GT(cases, 300);
+}
+
+TEST(SplitSolver, ProportionalToSpeedAndDeterministic) {
+  std::vector<RankCost> ranks(2);
+  ranks[0].secondsPerSample = 0.01;
+  ranks[1].secondsPerSample = 0.03;  // 3x slower
+  auto plan = hddp::solveSplit(ranks, 128);
+  EXPECT_EQ(plan.local, (std::vector<int64_t>{96, 32}));
+  EXPECT_EQ(plan.describe(), "[96, 32] of 128");
+  EXPECT_EQ(plan.offsetOf(1), 96);
+  // 64 ranks, a large batch: still exact and identical when recomputed.
+  std::vector<RankCost> many(64);
+  for (int i = 0; i < 64; ++i) {
+    many[i].secondsPerSample = 0.01 * (1 + i % 5);
+    many[i].fixedSeconds = 0.001 * (i % 3);
+  }
+  auto a = hddp::solveSplit(many, 8192);
+  auto b = hddp::solveSplit(many, 8192);
+  EXPECT_EQ(a.local, b.local);
+}
+
+TEST(SplitSolver, ScaleAndEqualSplits) {
+  EXPECT_EQ(hddp::equalSplit(3, 10).local, (std::vector<int64_t>{4, 3, 3}));
+  BatchPlan p;
+  p.local = {96, 32};
+  p.global = 128;
+  auto s = hddp::scalePlan(p, 10);
+  EXPECT_EQ(s.local[0] + s.local[1], 10);
+  EXPECT_EQ(s.local, (std::vector<int64_t>{8, 2}));
+}
+
+TEST(Planner, RuleFollowsSpeedWithHysteresis) {
+  hddp::PlannerOptions o(120);
+  BatchPlan equal = hddp::equalSplit(2, 120);
+  std::vector<RankCost> est(2);
+  est[0].secondsPerSample = 0.01;
+  est[1].secondsPerSample = 0.02;
+  auto p1 = hddp::BatchPlanner::choose(est, equal, o);
+  EXPECT_EQ(p1.local, (std::vector<int64_t>{80, 40}));
+  // 1% noise in the estimates must not move the plan.
+  est[1].secondsPerSample = 0.0202;
+  EXPECT_EQ(hddp::BatchPlanner::choose(est, p1, o).local, p1.local);
+  // Rank 1 becomes 2x slower still: the plan follows.
+  est[1].secondsPerSample = 0.04;
+  EXPECT_EQ(hddp::BatchPlanner::choose(est, p1, o).local, (std::vector<int64_t>{96, 24}));
+  // Without a measurement from every rank the plan stays.
+  est[0].secondsPerSample = 0;
+  EXPECT_EQ(hddp::BatchPlanner::choose(est, p1, o).local, p1.local);
+  // A minimum share per rank is honoured.
+  est[0].secondsPerSample = 0.001;
+  est[1].secondsPerSample = 1.0;
+  o.minLocalBatch = 2;
+  EXPECT_EQ(hddp::BatchPlanner::choose(est, equal, o).local[1], 2);
+}
+
+TEST(Planner, AllRanksDeriveTheSamePlanFromMeasurements) {
+  std::vector<std::vector<int64_t>> plans(3);
+  hddp::testing::runThreads(3, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PlannerOptions o(90);
+    o.rebalanceEvery = 4;
+    o.window = 3;
+    hddp::BatchPlanner planner(*comm, o);
+    EXPECT_EQ(planner.plan().local, (std::vector<int64_t>{30, 30, 30}));
+    const double perSample[] = {0.010, 0.020, 0.040};
+    for (int step = 0; step < 8; ++step) {
+      const double noise = step == 5 && rank == 0 ? 50.0 : 1.0;  // one outlier step
+      planner.record(planner.localBatch(), planner.localBatch() * perSample[rank] * noise);
+      planner.endStep();
+    }
+    plans[rank] = planner.plan().local;
+  });
+  EXPECT_EQ(plans[0], plans[1]);
+  EXPECT_EQ(plans[1], plans[2]);
+  // 1 : 1/2 : 1/4 of speed -> about 4 : 2 : 1 of 90 samples; the outlier is outvoted, so
+  // the plan is optimal for the true speeds ([51, 26, 13] and [52, 26, 12] tie at 0.52 s).
+  std::vector<RankCost> truth(3);
+  truth[0].secondsPerSample = 0.010;
+  truth[1].secondsPerSample = 0.020;
+  truth[2].secondsPerSample = 0.040;
+  EXPECT_NEAR(hddp::predictedSeconds(truth, plans[0]),
+              hddp::solveSplit(truth, 90).predictedStepSeconds, 1e-12)
+      << plans[0][0] << " " << plans[0][1] << " " << plans[0][2];
+}
+
+TEST(DistributedSampler, EverySampleOncePerEpochUnderChangingPlans) {
+  for (int world : {1, 2, 3, 4}) {
+    for (bool dropLast : {false, true}) {
+      const int64_t N = 103;
+      hddp::SamplerOptions so;
+      so.seed = 5;
+      so.dropLast = dropLast;
+      std::vector<hddp::DistributedSampler> samplers(world, hddp::DistributedSampler(N, so));
+      std::mt19937 rng(world);
+      std::multiset<int64_t> seen;
+      int64_t steps = 0;
+      const int64_t B = 16;
+      while (!samplers[0].epochDone(B)) {
+        // A new random plan each step, zero shares included.
+        BatchPlan plan;
+        plan.global = B;
+        int64_t left = B;
+        for (int r = 0; r < world - 1; ++r) {
+          plan.local.push_back(std::uniform_int_distribution<int64_t>(0, left)(rng));
+          left -= plan.local.back();
+        }
+        plan.local.push_back(left);
+        for (int r = 0; r < world; ++r) {
+          auto share = samplers[r].next(plan, r);
+          EXPECT_EQ(static_cast<int64_t>(share.indices.size()), share.localBatch);
+          seen.insert(share.indices.begin(), share.indices.end());
+        }
+        ++steps;
+      }
+      const int64_t expected = dropLast ? (N / B) * B : N;
+      EXPECT_EQ(static_cast<int64_t>(seen.size()), expected) << "world " << world;
+      EXPECT_EQ(std::set<int64_t>(seen.begin(), seen.end()).size(), seen.size())
+          << "a sample was used twice";
+      EXPECT_EQ(steps, dropLast ? N / B : (N + B - 1) / B);
+    }
+  }
+}
+
+TEST(DistributedSampler, ResumesMidEpochAndReshufflesPerEpoch) {
+  hddp::DistributedSampler a(50, {});
+  auto plan = hddp::equalSplit(2, 10);
+  a.next(plan, 0);
+  a.next(plan, 0);
+  auto saved = a.state();
+  auto third = a.next(plan, 1);
+  hddp::DistributedSampler b(50, {});
+  b.restore(saved);
+  EXPECT_EQ(b.next(plan, 1).indices, third.indices);
+  a.setEpoch(1);
+  hddp::DistributedSampler c(50, {});
+  EXPECT_NE(a.next(plan, 0).indices, c.next(plan, 0).indices) << "epoch 1 reused epoch 0's order";
+  hddp::DistributedSampler::State bad{0, 51};
+  EXPECT_THROW(c.restore(bad), hddp::Error);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Emulation, ParsesPerRankValuesAndStretchesTime) {
+  EXPECT_EQ(hddp::parseRankValue("V", "1:3,2:1.5", 1, 1.0), 3.0);
+  EXPECT_EQ(hddp::parseRankValue("V", "1:3,2:1.5", 0, 1.0), 1.0);
+  EXPECT_EQ(hddp::parseRankValue("V", "2.0", 5, 1.0), 2.0);
+  EXPECT_THROW(hddp::parseRankValue("V", "1:x", 1, 1.0), hddp::ConfigError);
+  EXPECT_THROW(hddp::parseRankValue("V", "1:2,oops", 1, 1.0), hddp::ConfigError);
+  double slept = 0;
+  hddp::EmulationOptions o;
+  o.slowdown = 3.0;
+  o.linkBytesPerSecond = 1e9;
+  hddp::Emulator em(o, 1, [&](std::chrono::duration<double> d) { slept += d.count(); });
+  EXPECT_TRUE(em.active());
+  EXPECT_DOUBLE_EQ(em.apply(0.5, 2'000'000'000), 0.5 * 3.0 + 2.0);
+  EXPECT_DOUBLE_EQ(slept, 1.0 + 2.0);
+  hddp::Emulator off(hddp::EmulationOptions{}, 0,
+                     [&](std::chrono::duration<double>) { FAIL() << "slept while off"; });
+  EXPECT_FALSE(off.active());
+  EXPECT_EQ(off.apply(0.25, 100), 0.25);
+}
+
+}  // namespace

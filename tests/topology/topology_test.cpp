@@ -1,0 +1,186 @@
+// PCIe links and eGPU detection on fixture sysfs trees.
+#include "hddp/topology/topology.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "support/ranks.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Hop {
+  std::string address;
+  std::string speed;  // current_link_speed; empty: no link attributes (a root complex port)
+  int width = 0;
+  std::string maxSpeed;
+  int maxWidth = 0;
+  std::string vendor = "0x10de";
+  std::string device = "0x2204";
+  std::string removable;
+};
+
+void write(const fs::path& p, const std::string& v) { std::ofstream(p) << v << "\n"; }
+
+// Builds root/devices/pci0000:00/<hop0>/<hop1>/... and root/bus/pci/devices/<last> -> it.
+std::string makeTree(const std::vector<Hop>& chain) {
+  const fs::path root = hddp::testing::makeTempDir();
+  fs::path dir = root / "devices/pci0000:00";
+  for (const auto& hop : chain) {
+    dir /= hop.address;
+    fs::create_directories(dir);
+    if (!hop.speed.empty()) {
+      write(dir / "current_link_speed", hop.speed);
+      write(dir / "current_link_width", std::to_string(hop.width));
+      write(dir / "max_link_speed", hop.maxSpeed.empty() ? hop.speed : hop.maxSpeed);
+      write(dir / "max_link_width", std::to_string(hop.maxWidth ? hop.maxWidth : hop.width));
+    }
+    write(dir / "vendor", hop.vendor);
+    write(dir / "device", hop.device);
+    if (!hop.removable.empty()) {
+      write(dir / "removable", hop.removable);
+    }
+  }
+  fs::create_directories(root / "bus/pci/devices");
+  fs::create_directory_symlink(fs::relative(dir, root / "bus/pci/devices"),
+                               root / "bus/pci/devices" / chain.back().address);
+  return root.string();
+}
+
+TEST(Topology, InternalX16Gen4Card) {
+  auto root = makeTree({{"0000:00:01.0", "16.0 GT/s PCIe", 16, "", 0, "0x8086", "0x1901"},
+                        {"0000:01:00.0", "16.0 GT/s PCIe", 16}});
+  auto link = hddp::readPcieLink(root, "0000:01:00.0");
+  ASSERT_TRUE(link);
+  EXPECT_EQ(link->currentGen, 4);
+  EXPECT_EQ(link->currentWidth, 16);
+  EXPECT_FALSE(link->degraded());
+  EXPECT_NEAR(link->currentGBps(), 31.5, 0.1);
+  EXPECT_FALSE(hddp::externalReason(root, "0000:01:00.0"));
+}
+
+TEST(Topology, EgpuBehindThunderbolt3AtGen3X4) {
+  auto root =
+      makeTree({{"0000:00:1c.4", "8.0 GT/s PCIe", 4, "8.0 GT/s PCIe", 4, "0x8086", "0x9db4"},
+                {"0000:05:00.0", "8.0 GT/s PCIe", 4, "8.0 GT/s PCIe", 4, "0x8086", "0x15d3"},
+                {"0000:06:01.0", "8.0 GT/s PCIe", 4, "8.0 GT/s PCIe", 4, "0x8086", "0x15d3"},
+                {"0000:07:00.0", "8.0 GT/s PCIe", 4, "16.0 GT/s PCIe", 16}});
+  auto link = hddp::readPcieLink(root, "0000:07:00.0");
+  ASSERT_TRUE(link);
+  EXPECT_EQ(link->currentGen, 3);
+  EXPECT_EQ(link->currentWidth, 4);
+  EXPECT_EQ(link->maxGen, 4);
+  EXPECT_EQ(link->maxWidth, 16);
+  EXPECT_TRUE(link->degraded());
+  EXPECT_NEAR(link->currentGBps(), 3.94, 0.01);  // ~2.8 GB/s measured in practice
+  auto why = hddp::externalReason(root, "0000:07:00.0");
+  ASSERT_TRUE(why);
+  EXPECT_NE(why->find("Thunderbolt"), std::string::npos) << *why;
+}
+
+TEST(Topology, CardOnX4RiserIsLimitedByTheNarrowestHop) {
+  auto root =
+      makeTree({{"0000:00:03.0", "16.0 GT/s PCIe", 4, "16.0 GT/s PCIe", 16, "0x1022", "0x1483"},
+                {"0000:0a:00.0", "16.0 GT/s PCIe", 16}});
+  auto link = hddp::readPcieLink(root, "0000:0a:00.0");
+  ASSERT_TRUE(link);
+  EXPECT_EQ(link->currentWidth, 4);
+  EXPECT_EQ(link->limitingHop, "0000:00:03.0");
+  EXPECT_FALSE(hddp::externalReason(root, "0000:0a:00.0"));
+}
+
+TEST(Topology, RemovablePortCountsAsExternal) {
+  auto root =
+      makeTree({{"0000:00:07.0", "8.0 GT/s PCIe", 4, "", 0, "0x8086", "0x9a23", "removable"},
+                {"0000:2c:00.0", "8.0 GT/s PCIe", 4}});
+  ASSERT_TRUE(hddp::externalReason(root, "0000:2c:00.0"));
+}
+
+TEST(Topology, MachineWithoutGpu) {
+  const std::string root = hddp::testing::makeTempDir();
+  EXPECT_FALSE(hddp::readPcieLink(root, "0000:01:00.0"));
+  EXPECT_FALSE(hddp::externalReason(root, "0000:01:00.0"));
+  hddp::TopologyOptions o;
+  o.sysfsRoot = root;
+  auto devices = hddp::probeDevices(o);
+  ASSERT_GE(devices.size(), 1u);
+  EXPECT_TRUE(devices[0].device.is_cpu());
+  EXPECT_GT(devices[0].memoryBytes, 0);
+  if (!torch::cuda::is_available()) {
+    EXPECT_EQ(devices.size(), 1u);
+  }
+}
+
+TEST(Topology, SpeedsAndRates) {
+  EXPECT_EQ(hddp::pcieGenerationFromSpeed("2.5 GT/s PCIe"), 1);
+  EXPECT_EQ(hddp::pcieGenerationFromSpeed("8.0 GT/s PCIe"), 3);
+  EXPECT_EQ(hddp::pcieGenerationFromSpeed("32.0 GT/s PCIe"), 5);
+  EXPECT_EQ(hddp::pcieGenerationFromSpeed("Unknown"), 0);
+  EXPECT_NEAR(hddp::pcieGBps(3, 16), 15.76, 0.01);
+  EXPECT_EQ(hddp::pcieGBps(0, 16), 0.0);
+}
+
+TEST(Topology, CpuMemoryBandwidthIsMeasured) {
+  auto bw = hddp::measureBandwidth(c10::Device(c10::kCPU), false, 8 << 20, 2);
+  EXPECT_GT(bw.hostToDeviceGBps, 0.1);
+  EXPECT_GT(bw.deviceToHostGBps, 0.1);
+}
+
+TEST(Topology, PinnedAndPageableBandwidth_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  auto devices = hddp::probeDevices();
+  ASSERT_GE(devices.size(), 2u);
+  EXPECT_FALSE(devices[1].name.empty());
+  EXPECT_GT(devices[1].memoryBytes, 0);
+  auto pinned = hddp::measureBandwidth(c10::Device(c10::kCUDA, 0), true);
+  auto pageable = hddp::measureBandwidth(c10::Device(c10::kCUDA, 0), false);
+  std::printf("H2D pinned %.2f GB/s, pageable %.2f GB/s\n", pinned.hostToDeviceGBps,
+              pageable.hostToDeviceGBps);
+  EXPECT_GT(pinned.hostToDeviceGBps, 1.0);
+  EXPECT_GT(pageable.hostToDeviceGBps, 0.1);
+}
+
+}  // namespace
+
+namespace {
+
+TEST(HddpProbe, JsonReportsDevicesAndAnEmulatedSplit) {
+  const std::string cmd = "HDDP_EMULATE_SLOWDOWN=1:3 " + hddp::testing::toolsDir() +
+                          "/../hddp-probe/hddp-probe --json --no-bandwidth --cpu-ranks 2 "
+                          "--global-batch 128 2>/dev/null";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string text;
+  char buf[4096];
+  while (fgets(buf, sizeof(buf), pipe)) {
+    text += buf;
+  }
+  const int status = pclose(pipe);
+  ASSERT_EQ(WEXITSTATUS(status), 0) << text;
+  auto j = nlohmann::json::parse(text);
+  EXPECT_EQ(j["devices"][0]["link"], "memory");
+  EXPECT_FALSE(j["versions"]["libtorch"].get<std::string>().empty());
+  const auto& ranks = j["plan"]["ranks"];
+  if (!torch::cuda::is_available()) {
+    ASSERT_EQ(ranks.size(), 2u);
+    const int64_t b0 = ranks[0]["local_batch"];
+    const int64_t b1 = ranks[1]["local_batch"];
+    EXPECT_EQ(b0 + b1, 128);
+    EXPECT_GT(b0, 2 * b1) << "rank 1 is emulated 3x slower, the split should favour rank 0";
+    EXPECT_EQ(ranks[1]["emulated_slowdown"], 3.0);
+  }
+  bool listed = false;
+  for (const auto& e : j["environment"]) {
+    listed = listed || (e["name"] == "HDDP_EMULATE_SLOWDOWN" && e["value"] == "1:3");
+  }
+  EXPECT_TRUE(listed);
+}
+
+}  // namespace

@@ -1,0 +1,283 @@
+// hddp-probe: what this node has, how it is attached, and how hddp would split a batch.
+//   hddp-probe                       devices, links, eGPUs, bandwidth, versions, advice, split
+//   hddp-probe --global-batch 256 --sample-bytes 12288 --json
+// Compute speed comes from a short calibration (an MLP training step per device);
+// HDDP_EMULATE_SLOWDOWN is applied to it per rank for demos (announced).
+#include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "hddp/hddp.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+// Seconds per sample of a small MLP training step (3072 -> 1024 -> 10) on `device`.
+double calibrate(const c10::Device& device, int64_t batch) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(3072, 1024), torch::nn::ReLU(),
+                            torch::nn::Linear(1024, 10));
+  net->to(device);
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  auto x = torch::randn({batch, 3072}, device);
+  auto y =
+      torch::randint(0, 10, {batch}, torch::TensorOptions().device(device).dtype(torch::kLong));
+  double best = 1e30;
+  for (int i = 0; i < 6; ++i) {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    auto t0 = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    torch::cross_entropy_loss(net->forward(x), y).backward();
+    opt.step();
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    if (i > 0)
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best / static_cast<double>(batch);
+}
+
+std::string gib(int64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
+  return b;
+}
+
+}  // namespace
+
+int run(int argc, char** argv);
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "hddp-probe: %s\n", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hddp-probe: %s\n", e.what());
+  }
+  return 1;
+}
+
+int run(int argc, char** argv) {
+  int64_t globalBatch = 256;
+  double sampleBytes = 3 * 32 * 32 * 4;
+  double sampleMiB = 0;
+  int cpuRanks = 1;
+  std::string sysfs = "/sys";
+  bool asJson = false;
+  bool skipBandwidth = false;
+  CLI::App app{
+      "hddp-probe: devices, links, eGPUs, bandwidth, versions, advice, and the batch split hddp "
+      "would use"};
+  app.add_option("--global-batch", globalBatch, "Global batch to split")->capture_default_str();
+  app.add_option("--sample-bytes", sampleBytes, "Input bytes per sample moved to the device")
+      ->capture_default_str();
+  app.add_option("--sample-mib", sampleMiB,
+                 "Device memory per sample (MiB) for the memory cap; 0 = no cap");
+  app.add_option("--cpu-ranks", cpuRanks, "Without CUDA: CPU ranks to plan for")
+      ->capture_default_str();
+  app.add_option("--sysfs", sysfs, "sysfs root (for fixtures)")->capture_default_str();
+  app.add_flag("--json", asJson, "Machine-readable output");
+  app.add_flag("--no-bandwidth", skipBandwidth, "Skip the bandwidth measurement");
+  CLI11_PARSE(app, argc, argv);
+  hddp::log::setLevel(hddp::log::Level::Warn);
+
+  json out;
+  auto& hooks = at::detail::getCUDAHooks();
+  const bool hasCuda = hooks.hasCUDA();
+  out["versions"] = {{"hddp", hddp::version()},
+                     {"libtorch", TORCH_VERSION},
+                     {"cuda_runtime", hasCuda ? std::to_string(hooks.versionCUDART()) : "none"},
+                     {"cudnn", hasCuda ? std::to_string(hooks.versionCuDNN()) : "none"},
+                     {"nccl", hddp::ncclVersion()},
+                     {"built_with_cuda", hddp::builtWithCuda()}};
+  hddp::TopologyOptions topo;
+  topo.sysfsRoot = sysfs;
+  auto devices = hddp::probeDevices(topo);
+  std::vector<std::string> advice;
+  std::vector<hddp::RankCost> costs;
+  std::vector<std::string> rankDevice;
+  json devs = json::array();
+  for (const auto& d : devices) {
+    json j = {{"device", d.device.str()}, {"name", d.name}, {"memory_bytes", d.memoryBytes}};
+    if (d.device.is_cuda()) {
+      j["sm_count"] = d.smCount;
+      j["compute_capability"] =
+          std::to_string(d.computeMajor) + "." + std::to_string(d.computeMinor);
+      j["pci_bus_id"] = d.pciBusId;
+      j["nvml"] = d.nvmlSeen;
+      if (d.link) {
+        j["link"] = {{"current_gen", d.link->currentGen},
+                     {"current_width", d.link->currentWidth},
+                     {"max_gen", d.link->maxGen},
+                     {"max_width", d.link->maxWidth},
+                     {"current_GBps", d.link->currentGBps()},
+                     {"limiting_hop", d.link->limitingHop}};
+        if (d.link->degraded()) {
+          advice.push_back(
+              d.device.str() + " runs its link at Gen" + std::to_string(d.link->currentGen) + " x" +
+              std::to_string(d.link->currentWidth) + ", below its maximum Gen" +
+              std::to_string(d.link->maxGen) + " x" + std::to_string(d.link->maxWidth) +
+              ": check the slot and riser or the enclosure's cable (idle cards may also downclock "
+              "the link; check again under load)");
+        }
+      }
+      if (d.external) {
+        j["egpu"] = *d.external;
+        advice.push_back(
+            d.device.str() + " is an eGPU (" + *d.external +
+            "): expect ~2.8 GB/s host<->device on a " +
+            "PCIe 3.0 x4 Thunderbolt link; use prefetch (pinned memory, side stream) and AMP, keep "
+            "data " +
+            "on the device, and if NCCL hangs across the enclosure try NCCL_P2P_DISABLE=1 (and " +
+            "NCCL_SHM_DISABLE=1 between processes that cannot share memory)");
+      }
+    } else {
+      j["cores"] = d.smCount;
+      j["link"] = "memory";
+    }
+    if (!skipBandwidth && (d.device.is_cuda() || !hasCuda)) {
+      auto pageable = hddp::measureBandwidth(d.device, false, 32 << 20, 3);
+      j["bandwidth_pageable_GBps"] = {{"h2d", pageable.hostToDeviceGBps},
+                                      {"d2h", pageable.deviceToHostGBps}};
+      double linkBps = pageable.hostToDeviceGBps * 1e9;
+      if (d.device.is_cuda()) {
+        auto pinned = hddp::measureBandwidth(d.device, true, 32 << 20, 3);
+        j["bandwidth_pinned_GBps"] = {{"h2d", pinned.hostToDeviceGBps},
+                                      {"d2h", pinned.deviceToHostGBps}};
+        linkBps = pinned.hostToDeviceGBps * 1e9;
+      }
+      j["measured_link_Bps"] = linkBps;
+    }
+    devs.push_back(j);
+  }
+  out["devices"] = devs;
+  if (!hasCuda) {
+    advice.push_back(
+        "no CUDA device is visible: check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES, and that "
+        "this LibTorch is a CUDA build; planning for CPU ranks");
+  }
+  // The split: one rank per CUDA device, else --cpu-ranks CPU ranks.
+  std::vector<c10::Device> rankDevices;
+  for (const auto& d : devices) {
+    if (d.device.is_cuda()) rankDevices.push_back(d.device);
+  }
+  if (rankDevices.empty()) {
+    rankDevices.assign(static_cast<size_t>(std::max(1, cpuRanks)), c10::Device(c10::kCPU));
+  }
+  json ranks = json::array();
+  for (size_t r = 0; r < rankDevices.size(); ++r) {
+    const auto& dev = rankDevices[r];
+    hddp::RankCost c;
+    const auto emulation = hddp::emulationFromEnv(static_cast<int>(r));
+    c.secondsPerSample = calibrate(dev, 64) * emulation.slowdown;
+    for (const auto& j : devs) {
+      if (j["device"] == dev.str() && j.contains("measured_link_Bps") && dev.is_cuda()) {
+        c.linkBytesPerSecond = j["measured_link_Bps"].get<double>();
+        c.bytesPerSample = sampleBytes;
+      }
+    }
+    if (emulation.linkBytesPerSecond > 0) {
+      c.linkBytesPerSecond = emulation.linkBytesPerSecond;
+      c.bytesPerSample = sampleBytes;
+    }
+    if (sampleMiB > 0) {
+      for (const auto& d : devices) {
+        if (d.device == dev)
+          c.maxSamples = static_cast<int64_t>(0.8 * d.memoryBytes / (sampleMiB * (1 << 20)));
+      }
+    }
+    costs.push_back(c);
+    ranks.push_back({{"rank", r},
+                     {"device", dev.str()},
+                     {"compute_s_per_sample", c.secondsPerSample},
+                     {"link_GBps", c.linkBytesPerSecond / 1e9},
+                     {"emulated_slowdown", emulation.slowdown}});
+  }
+  hddp::BatchPlan plan = hddp::solveSplit(costs, globalBatch);
+  hddp::BatchPlan equal = hddp::equalSplit(static_cast<int>(costs.size()), globalBatch);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    ranks[r]["local_batch"] = plan.local[r];
+    ranks[r]["predicted_step_s"] = costs[r].predict(plan.local[r]);
+    ranks[r]["memory_cap"] = costs[r].maxSamples == std::numeric_limits<int64_t>::max()
+                                 ? json(nullptr)
+                                 : json(costs[r].maxSamples);
+  }
+  out["plan"] = {{"global_batch", globalBatch},
+                 {"ranks", ranks},
+                 {"predicted_step_s", plan.predictedStepSeconds},
+                 {"equal_split_predicted_step_s", hddp::predictedSeconds(costs, equal.local)}};
+  json env = json::array();
+  for (const auto& s : hddp::env::describe()) {
+    env.push_back({{"name", s.name}, {"value", s.value}, {"set_by", s.setBy}});
+  }
+  out["environment"] = env;
+  out["advice"] = advice;
+  if (asJson) {
+    std::cout << out.dump(1) << "\n";
+    return 0;
+  }
+  std::printf("hddp %s, LibTorch %s, CUDA runtime %s, cuDNN %s, NCCL %s\n\n", hddp::version(),
+              TORCH_VERSION, out["versions"]["cuda_runtime"].get<std::string>().c_str(),
+              out["versions"]["cudnn"].get<std::string>().c_str(), hddp::ncclVersion().c_str());
+  std::printf("Devices\n");
+  for (const auto& d : devices) {
+    std::printf("  %-7s %s, %s", d.device.str().c_str(), d.name.c_str(),
+                gib(d.memoryBytes).c_str());
+    if (d.device.is_cuda()) {
+      std::printf(", %d SMs, sm_%d%d, %s", d.smCount, d.computeMajor, d.computeMinor,
+                  d.pciBusId.c_str());
+      if (d.link) {
+        std::printf(", PCIe Gen%d x%d (max Gen%d x%d, %.1f GB/s)", d.link->currentGen,
+                    d.link->currentWidth, d.link->maxGen, d.link->maxWidth, d.link->currentGBps());
+      }
+      if (d.external) std::printf(", eGPU: %s", d.external->c_str());
+    } else {
+      std::printf(", %d cores, link: memory", d.smCount);
+    }
+    std::printf("\n");
+  }
+  for (const auto& j : devs) {
+    if (j.contains("bandwidth_pageable_GBps")) {
+      std::printf("  %-7s measured: pageable %.2f / %.2f GB/s (to / from)",
+                  j["device"].get<std::string>().c_str(),
+                  j["bandwidth_pageable_GBps"]["h2d"].get<double>(),
+                  j["bandwidth_pageable_GBps"]["d2h"].get<double>());
+      if (j.contains("bandwidth_pinned_GBps")) {
+        std::printf(", pinned %.2f / %.2f GB/s", j["bandwidth_pinned_GBps"]["h2d"].get<double>(),
+                    j["bandwidth_pinned_GBps"]["d2h"].get<double>());
+      }
+      std::printf("\n");
+    }
+  }
+  std::printf("\nSplit of a global batch of %lld (calibrated MLP step; --sample-bytes %.0f)\n",
+              static_cast<long long>(globalBatch), sampleBytes);
+  std::printf("  %-4s %-7s %14s %10s %10s %8s %12s\n", "rank", "device", "compute s/smp",
+              "link GB/s", "mem cap", "batch", "pred. step s");
+  for (size_t r = 0; r < costs.size(); ++r) {
+    std::printf("  %-4zu %-7s %14.3e %10s %10s %8lld %12.4f\n", r, rankDevices[r].str().c_str(),
+                costs[r].secondsPerSample,
+                costs[r].linkBytesPerSecond > 0
+                    ? std::to_string(costs[r].linkBytesPerSecond / 1e9).substr(0, 5).c_str()
+                    : "-",
+                costs[r].maxSamples == std::numeric_limits<int64_t>::max()
+                    ? "-"
+                    : std::to_string(costs[r].maxSamples).c_str(),
+                static_cast<long long>(plan.local[r]), costs[r].predict(plan.local[r]));
+  }
+  std::printf("  predicted step: %.4f s with this split, %.4f s with an equal split\n",
+              plan.predictedStepSeconds, hddp::predictedSeconds(costs, equal.local));
+  std::printf("\nEnvironment\n%s", hddp::env::dump().c_str());
+  std::printf("\nAdvice\n");
+  if (advice.empty()) std::printf("  nothing to report\n");
+  for (const auto& a : advice) std::printf("  - %s\n", a.c_str());
+  return 0;
+}

@@ -10,18 +10,9 @@ table with the ratio hddp / torch per size.
 import argparse
 import json
 import os
-import subprocess
 import sys
 
-
-def run(cmd, env):
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    rows = []
-    for line in out.stdout.splitlines():
-        line = line.split("] ", 1)[-1]  # strip hddp-run's "[rank 0] "
-        if line.startswith("{"):
-            rows.append(json.loads(line))
-    return rows
+from launch_json import run_json
 
 
 def main():
@@ -45,7 +36,7 @@ def main():
     for _ in range(a.rounds):
         for impl, cmd in (("hddp", [bench] + sizes),
                           ("torch", [a.python, os.path.join(here, "allreduce_torch.py")] + sizes)):
-            for row in run([launcher, "--nproc-per-node", str(a.nproc), "--no-prefix", "--"] + cmd, env):
+            for row in run_json([launcher, "--nproc-per-node", str(a.nproc), "--no-prefix", "--"] + cmd, env):
                 key = (impl, row["bytes"])
                 if key not in best or row["bus_GBps"] > best[key]["bus_GBps"]:
                     best[key] = row

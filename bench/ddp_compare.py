@@ -14,18 +14,9 @@ all measured in one run on this machine:
 import argparse
 import json
 import os
-import subprocess
 import sys
 
-
-def run(cmd, env):
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
-    rows = []
-    for line in out.stdout.splitlines():
-        line = line.split("] ", 1)[-1]
-        if line.startswith("{"):
-            rows.append(json.loads(line))
-    return rows
+from launch_json import run_json
 
 
 def main():
@@ -46,7 +37,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", HDDP_LOG_LEVEL="warn")
 
     def job(nproc, prog, mode):
-        rows = run([launcher, "--nproc-per-node", str(nproc), "--no-prefix", "--"] + prog + ["--mode", mode] + common, env)
+        rows = run_json([launcher, "--nproc-per-node", str(nproc), "--no-prefix", "--"] + prog + ["--mode", mode] + common, env)
         assert len(rows) == nproc, rows
         return rows
 

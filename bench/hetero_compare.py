@@ -16,14 +16,13 @@ one run:
 import argparse
 import json
 import os
-import subprocess
 import sys
+
+from launch_json import run_json
 
 
 def run(launcher, bench, mode, args, env):
-    out = subprocess.run([launcher, "--nproc-per-node", "2", "--no-prefix", "--", bench, "--mode", mode] + args,
-                         env=env, check=True, capture_output=True, text=True)
-    rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+    rows = run_json([launcher, "--nproc-per-node", "2", "--no-prefix", "--", bench, "--mode", mode] + args, env)
     return [r for r in rows if r["kind"] == "step"], [r for r in rows if r["kind"] == "summary"]
 
 

@@ -1,6 +1,7 @@
 #include "hddp/balance/planner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "hddp/core/error.h"
@@ -78,7 +79,8 @@ void BatchPlanner::record(int64_t samples, double computeSeconds) {
 }
 
 BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const BatchPlan& current,
-                               const PlannerOptions& options) {
+                               const PlannerOptions& options,
+                               const std::vector<double>& relativeNoise) {
   for (const auto& c : estimates) {
     if (!(c.secondsPerSample > 0)) {
       return current;  // some rank has not measured yet
@@ -86,8 +88,12 @@ BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const Bat
   }
   BatchPlan candidate = solveWithMinimum(estimates, options.globalBatch, options.minLocalBatch);
   const double now = predictedSeconds(estimates, current.local);
+  double threshold = options.hysteresis;
+  for (double noise : relativeNoise) {
+    threshold = std::max(threshold, options.noiseMultiplier * noise);
+  }
   if (candidate.local != current.local &&
-      candidate.predictedStepSeconds < now * (1.0 - options.hysteresis)) {
+      candidate.predictedStepSeconds < now * (1.0 - threshold)) {
     return candidate;
   }
   BatchPlan kept = current;
@@ -102,22 +108,35 @@ bool BatchPlanner::endStep() {
   if (step_ < first || (step_ - first) % options_.rebalanceEvery != 0) {
     return false;
   }
-  const double mine = secondsPerSample_.empty()
-                          ? 0.0
-                          : median({secondsPerSample_.begin(), secondsPerSample_.end()});
-  std::vector<uint8_t> bytes(sizeof(double));
-  std::memcpy(bytes.data(), &mine, sizeof(double));
+  // This rank's estimate (median seconds per sample) and its relative noise (median
+  // absolute deviation over the median), exchanged as two doubles.
+  double mine[2] = {0.0, 0.0};
+  if (!secondsPerSample_.empty()) {
+    std::vector<double> window(secondsPerSample_.begin(), secondsPerSample_.end());
+    mine[0] = median(window);
+    std::vector<double> deviation;
+    for (double v : window) {
+      deviation.push_back(std::abs(v - mine[0]));
+    }
+    mine[1] = mine[0] > 0 ? median(deviation) / mine[0] : 0.0;
+  }
+  std::vector<uint8_t> bytes(sizeof(mine));
+  std::memcpy(bytes.data(), mine, sizeof(mine));
   const auto all = comm_.allgatherBytes(bytes);
   std::vector<RankCost> estimates(all.size());
+  std::vector<double> noise(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
-    HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(double), "bad estimate from rank ", r);
-    std::memcpy(&estimates[r].secondsPerSample, all[r].data(), sizeof(double));
+    HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(mine), "bad estimate from rank ", r);
+    double theirs[2];
+    std::memcpy(theirs, all[r].data(), sizeof(theirs));
+    estimates[r].secondsPerSample = theirs[0];
+    noise[r] = theirs[1];
     if (r < costs_.size()) {
       estimates[r].maxSamples = costs_[r].maxSamples;  // memory caps are not measured here
     }
   }
   costs_ = estimates;
-  BatchPlan next = choose(estimates, plan_, options_);
+  BatchPlan next = choose(estimates, plan_, options_, noise);
   const bool changed = next.local != plan_.local;
   if (changed) {
     HDDP_LOG_INFO("balance", "step ", step_, ": plan ", plan_.describe(), " -> ", next.describe(),

@@ -34,6 +34,10 @@ struct PlannerOptions {
   /// Minimum relative improvement of the predicted step time to adopt a new plan.
   /// Default 0.03.
   double hysteresis = 0.03;
+  /// The threshold also grows with measured noise: at least noiseMultiplier x the
+  /// largest relative median absolute deviation of the ranks' windows (3 ~ 2 sigma),
+  /// so the plan does not chase noise. Default 3.0; 0 turns it off.
+  double noiseMultiplier = 3.0;
   /// Smallest share per rank (1 with SyncBatchNorm, whose layers need a sample on every
   /// rank). Default 0.
   int64_t minLocalBatch = 0;
@@ -60,9 +64,11 @@ class BatchPlanner {
   int64_t step() const { return step_; }
 
   /// The planning rule itself, without communication: the plan all ranks derive from
-  /// `estimates`, given the current plan. Public for tests and tools.
+  /// `estimates` (and each rank's relative noise, e.g. MAD/median of its window), given
+  /// the current plan. Public for tests and tools.
   static BatchPlan choose(const std::vector<RankCost>& estimates, const BatchPlan& current,
-                          const PlannerOptions& options);
+                          const PlannerOptions& options,
+                          const std::vector<double>& relativeNoise = {});
 
  private:
   Communicator& comm_;

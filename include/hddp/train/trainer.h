@@ -1,0 +1,194 @@
+// The Trainer: the training loop that puts the layers together.
+//
+// Each step: prefetched batch (this rank's share under the planner's split) ->
+// autocast forward -> loss -> scaled backward with the gradient allreduce overlapped ->
+// unscale, optional gradient clipping, optimizer step (skipped on every rank together
+// when an fp16 gradient overflowed) -> scaler update -> planner update. Around it:
+// JSON-lines metrics per rank, a progress bar on rank 0, an optional Chrome-trace
+// timeline, periodic atomic state saves and exact resume.
+//
+//   auto ctx = hddp::initFromEnv();
+//   hddp::TrainerOptions options;
+//   options.globalBatch = 128;
+//   options.epochs = 5;
+//   hddp::Trainer trainer(*ctx.communicator, model.ptr(), hddp::forwardOf(model),
+//                         hddp::crossEntropy(), optimizer, dataset, options);
+//   trainer.fit();
+//
+// The model must already be on the communicator's device. Every rank constructs the
+// Trainer with the same options and calls fit(); rank 0 writes state files, all ranks
+// load them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "hddp/amp/grad_scaler.h"
+#include "hddp/balance/emulation.h"
+#include "hddp/balance/planner.h"
+#include "hddp/data/loader.h"
+#include "hddp/ddp/distributed_data_parallel.h"
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}  // namespace optim
+}  // namespace torch
+
+namespace hddp {
+
+enum class AmpMode {
+  Off,
+  /// bfloat16 autocast (CPU and CUDA); no loss scaling needed.
+  Bf16,
+  /// float16 autocast (CUDA) with dynamic loss scaling (GradScaler).
+  Fp16,
+};
+/// "off", "bf16", "fp16"; throws hddp::ConfigError otherwise.
+AmpMode parseAmpMode(const std::string& text);
+const char* ampModeName(AmpMode mode) noexcept;
+
+enum class ProgressMode {
+  /// A live bar on rank 0 when stderr is a terminal, plain lines otherwise. Default.
+  Auto,
+  /// Plain lines every logEvery steps on rank 0.
+  Lines,
+  Off,
+};
+
+struct TrainerOptions {
+  /// Samples per optimizer step over all ranks. Default 128.
+  int64_t globalBatch = 128;
+  /// Default 1.
+  int64_t epochs = 1;
+  /// Stop after this many steps in total (0: when the epochs are done). Default 0.
+  int64_t maxSteps = 0;
+  /// Shuffle and augmentation seed (the sampler's and the loader's). Default 0.
+  uint64_t seed = 0;
+  AmpMode amp = AmpMode::Off;
+  /// Clip the global gradient norm to this value after unscaling; 0 = off. Default 0.
+  double clipGradNorm = 0.0;
+  /// Split the global batch by measured speed (BatchPlanner); false = equal split as
+  /// PyTorch DDP. Default true.
+  bool balance = true;
+  /// Planner settings (its globalBatch is taken from globalBatch above). The default
+  /// plans first after 3 calibration steps, then every 10 steps.
+  PlannerOptions planner = defaultPlannerOptions();
+  DdpOptions ddp;
+  /// Workers, prefetch depth, drop-last. Its device, seeds and the sampler seed are set
+  /// by the Trainer.
+  LoaderOptions loader;
+  /// Used with AmpMode::Fp16 (enabled is set by the Trainer).
+  GradScalerOptions scaler;
+  /// Metrics and progress lines every this many steps. Default 20.
+  int64_t logEvery = 20;
+  /// JSON lines, one per step, epoch and run; "" = none. Rank 0 writes this path,
+  /// rank r > 0 writes it with ".rank<r>" before the extension.
+  std::string metricsPath;
+  /// Chrome-trace / Perfetto JSON of every rank's phases, written by rank 0 at the end
+  /// of fit(); "" = off (the default, and then nearly free).
+  std::string timelinePath;
+  ProgressMode progress = ProgressMode::Auto;
+  /// Directory for state files; "" = never save. Default "".
+  std::string saveDir;
+  /// Save every this many steps (0: only at the end of each epoch and of the run).
+  int64_t saveEvery = 0;
+  /// State files kept in saveDir. Default 3.
+  int keepLast = 3;
+  /// Resume from a state file, or from the newest valid one in a directory; "" = start
+  /// fresh. Default "".
+  std::string resume;
+  /// Heterogeneity emulation (tests, demos); default: HDDP_EMULATE_SLOWDOWN /
+  /// HDDP_EMULATE_LINK_GBPS of the environment.
+  std::optional<EmulationOptions> emulation;
+
+  static PlannerOptions defaultPlannerOptions() {
+    PlannerOptions p(128);
+    p.calibrationSteps = 3;
+    return p;
+  }
+};
+
+/// What the schedule hook sees before each step.
+struct StepInfo {
+  int64_t step = 0;  // global step index, 0-based (continues across epochs and resumes)
+  int64_t epoch = 0;
+  int64_t stepInEpoch = 0;
+  int64_t stepsPerEpoch = 0;  // at the current plan (the last step may be partial)
+  int64_t localBatch = 0;
+  int64_t globalBatch = 0;
+};
+
+struct TrainSummary {
+  int64_t steps = 0;       // steps run by this fit() call
+  int64_t totalSteps = 0;  // including those before a resume
+  int64_t epochsCompleted = 0;
+  double seconds = 0;
+  double samplesPerSecond = 0;  // global samples / s over this fit()
+  double lastTrainLoss = 0;     // the last epoch's mean loss over all ranks' samples
+  std::map<std::string, double> lastEvaluation;
+  std::string lastStateFile;
+};
+
+class Trainer {
+ public:
+  using ForwardFn = std::function<at::Tensor(const at::Tensor& input)>;
+  using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+  /// Called before every step (set the learning rate from info.step, for instance).
+  using ScheduleFn = std::function<void(const StepInfo& info, torch::optim::Optimizer& optimizer)>;
+  /// Called at the end of every epoch on every rank (it may use collectives); the
+  /// returned metrics go to the epoch's metrics line and the progress output.
+  using EvalFn = std::function<std::map<std::string, double>(int64_t epoch)>;
+
+  Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> model, ForwardFn forward,
+          LossFn loss, torch::optim::Optimizer& optimizer, std::shared_ptr<const Dataset> train,
+          TrainerOptions options);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  void setSchedule(ScheduleFn schedule);
+  void setEvaluation(EvalFn evaluation);
+
+  /// Trains until options.epochs (or maxSteps); resumes first when options.resume is set.
+  TrainSummary fit();
+  /// Saves the state now into saveDir (collective: every rank calls it); returns the
+  /// file written by rank 0.
+  std::string save();
+  /// Loads a state file, or the newest valid one in a directory (collective).
+  void load(const std::string& fileOrDirectory);
+
+  int64_t step() const;
+  int64_t epoch() const;
+  DistributedDataParallel& ddp();
+  /// Null when options.balance is false.
+  BatchPlanner* planner();
+  GradScaler& scaler();
+  PrefetchLoader& loader();
+  const TrainerOptions& options() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+/// `[holder](x) { return holder->forward(x); }` for any module holder.
+template <typename Holder>
+Trainer::ForwardFn forwardOf(Holder holder) {
+  return [holder](const at::Tensor& x) mutable { return holder->forward(x); };
+}
+
+/// Mean cross-entropy over the batch (classification, and segmentation with
+/// [N, K, H, W] logits and [N, H, W] targets).
+Trainer::LossFn crossEntropy();
+
+/// Sets every parameter group's learning rate (SGD, Adam, AdamW, RMSprop, Adagrad).
+void setLearningRate(torch::optim::Optimizer& optimizer, double lr);
+
+}  // namespace hddp

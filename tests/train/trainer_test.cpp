@@ -1,0 +1,405 @@
+// The Trainer and its state files: exact resume in fresh processes, a crash during a
+// save, corrupt files, metrics and timeline output, and that training learns.
+#include "hddp/train/trainer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "hddp/data/datasets.h"
+#include "hddp/train/state_file.h"
+#include "support/ranks.h"
+
+namespace fs = std::filesystem;
+using hddp::testing::expectAllSucceeded;
+using hddp::testing::runProcesses;
+using hddp::testing::runThreads;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 6, 3).padding(1)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(6));
+    drop = register_module("drop", torch::nn::Dropout(0.0));
+    fc = register_module("fc", torch::nn::Linear(6 * 8 * 8, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::relu(bn->forward(conv->forward(x)));
+    return fc->forward(drop->forward(h.flatten(1)));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Dropout drop{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Net);
+
+std::string envOr(const char* name, const std::string& fallback = "") {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+// One training run as the tests configure it through the environment (children of
+// runProcesses re-run the test from the top, so every phase goes through here).
+hddp::TrainSummary trainRun(int rank, int size, hddp::Store& store,
+                            const std::function<void(hddp::TrainerOptions&)>& configure,
+                            const std::string& paramsOut = "") {
+  auto comm = hddp::makeCommunicator(store, rank, size);
+  torch::manual_seed(100 + rank);  // dropout draws differ per rank
+  Net model;
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+  hddp::TrainerOptions o;
+  o.globalBatch = 24;
+  o.epochs = 3;
+  o.balance = false;
+  o.progress = hddp::ProgressMode::Off;
+  o.loader.workers = 2;
+  configure(o);
+  auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(80, 1, 8, 4, /*seed=*/1);
+  hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                        o);
+  trainer.setSchedule([](const hddp::StepInfo& info, torch::optim::Optimizer& optimizer) {
+    hddp::setLearningRate(optimizer, 0.05 / (1.0 + 0.1 * static_cast<double>(info.step)));
+  });
+  auto summary = trainer.fit();
+  if (rank == 0 && !paramsOut.empty()) {
+    std::vector<at::Tensor> state;
+    for (const auto& p : model->parameters()) {
+      state.push_back(p.detach().clone());
+    }
+    for (const auto& b : model->buffers()) {
+      state.push_back(b.detach().clone());
+    }
+    torch::save(state, paramsOut);
+  }
+  return summary;
+}
+
+std::vector<at::Tensor> loadParams(const std::string& path) {
+  std::vector<at::Tensor> out;
+  torch::load(out, path);
+  return out;
+}
+
+// A directory the parent creates and passes to the children through `var`.
+std::string sharedDir(const char* var) {
+  if (std::getenv("HDDP_TEST_CHILD_RANK") != nullptr) {
+    return envOr(var);
+  }
+  const std::string dir = hddp::testing::makeTempDir();
+  setenv(var, dir.c_str(), 1);
+  return dir;
+}
+
+std::string stateError(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const hddp::StateError& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no StateError)";
+}
+
+}  // namespace
+
+TEST(StateFile, RoundTripAndDetectsCorruption) {
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::string path = hddp::stateFileName(dir, 12);
+  EXPECT_EQ(fs::path(path).filename(), "state-00000012.hddp");
+  std::string payload(10000, '\0');
+  for (size_t i = 0; i < payload.size(); ++i) {
+    payload[i] = static_cast<char>(i * 31 % 251);
+  }
+  hddp::writeStateFile(path, payload);
+  EXPECT_EQ(hddp::readStateFile(path), payload);
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+  EXPECT_EQ(hddp::crc32Of("123456789", 9), 0xCBF43926u);  // the standard check value
+  // One flipped byte.
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(5000);
+    f.put('\x7f');
+  }
+  std::string message = stateError([&] { hddp::readStateFile(path); });
+  EXPECT_NE(message.find("checksum mismatch"), std::string::npos) << message;
+  EXPECT_NE(message.find(path), std::string::npos) << message;
+  // Truncated.
+  hddp::writeStateFile(path, payload);
+  fs::resize_file(path, 3000);
+  message = stateError([&] { hddp::readStateFile(path); });
+  EXPECT_NE(message.find("truncated"), std::string::npos) << message;
+  // Not a state file at all.
+  std::ofstream(dir + "/other.hddp") << "hello";
+  message = stateError([&] { hddp::readStateFile(dir + "/other.hddp"); });
+  EXPECT_NE(message.find("not an hddp state file"), std::string::npos) << message;
+}
+
+TEST(StateFile, KeepsTheLastKAndRemovesLeftovers) {
+  const std::string dir = hddp::testing::makeTempDir();
+  for (int step : {30, 10, 20, 40}) {
+    hddp::writeStateFile(hddp::stateFileName(dir, step), "x");
+  }
+  std::ofstream(hddp::stateFileName(dir, 50) + ".tmp") << "torn";
+  auto files = hddp::listStateFiles(dir);
+  ASSERT_EQ(files.size(), 4u);
+  EXPECT_EQ(fs::path(files.front()).filename(), "state-00000010.hddp");
+  hddp::pruneStateFiles(dir, 2);
+  files = hddp::listStateFiles(dir);
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(fs::path(files[0]).filename(), "state-00000030.hddp");
+  EXPECT_FALSE(fs::exists(hddp::stateFileName(dir, 50) + ".tmp"));
+}
+
+TEST(StateFile, CrashDuringSaveLeavesThePreviousFileLoadable) {
+  const std::string dir = sharedDir("HDDP_TEST_STATE_DIR");
+  auto outcomes = runProcesses(1, [](int, int, hddp::Store&) {
+    setenv("HDDP_TEST_CRASH_IN_SAVE", "2", 1);
+    const std::string d = envOr("HDDP_TEST_STATE_DIR");
+    hddp::writeStateFile(hddp::stateFileName(d, 1), std::string(100000, 'a'));
+    hddp::writeStateFile(hddp::stateFileName(d, 2), std::string(100000, 'b'));  // dies here
+  });
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_TRUE(outcomes[0].exited);
+  EXPECT_EQ(outcomes[0].exitCode, 86) << outcomes[0].output;
+  EXPECT_EQ(hddp::readStateFile(hddp::stateFileName(dir, 1)), std::string(100000, 'a'));
+  EXPECT_FALSE(fs::exists(hddp::stateFileName(dir, 2)));
+  EXPECT_TRUE(fs::exists(hddp::stateFileName(dir, 2) + ".tmp"));  // the torn write
+  EXPECT_EQ(hddp::listStateFiles(dir).size(), 1u);
+}
+
+namespace {
+
+// The phases of the multi-process tests; the parent picks one with HDDP_TEST_PHASE.
+void phaseBody(int rank, int size, hddp::Store& store) {
+  const std::string phase = envOr("HDDP_TEST_PHASE");
+  const std::string d = envOr("HDDP_TEST_TRAIN_DIR");
+  if (phase == "straight") {
+    trainRun(
+        rank, size, store,
+        [&](hddp::TrainerOptions& o) {
+          o.saveDir = d + "/a";
+          o.maxSteps = 10;
+        },
+        d + "/straight.pt");
+  } else if (phase == "first") {
+    auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.saveDir = d + "/b";
+      o.maxSteps = 6;  // stops in the middle of the second epoch (4 steps per epoch)
+    });
+    EXPECT_EQ(s.totalSteps, 6);
+  } else if (phase == "second") {
+    auto s = trainRun(
+        rank, size, store,
+        [&](hddp::TrainerOptions& o) {
+          o.saveDir = d + "/b";
+          o.resume = d + "/b";
+          o.maxSteps = 10;
+        },
+        d + "/resumed.pt");
+    EXPECT_EQ(s.steps, 4);
+    EXPECT_EQ(s.totalSteps, 10);
+  } else if (phase == "crash") {
+    setenv("HDDP_TEST_CRASH_IN_SAVE", "2", 1);  // rank 0 dies writing its 2nd state file
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.saveDir = d + "/c";
+      o.saveEvery = 2;
+      o.maxSteps = 8;
+    });
+  } else if (phase == "after-crash") {
+    auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.saveDir = d + "/c";
+      o.resume = d + "/c";
+      o.maxSteps = 6;
+    });
+    EXPECT_EQ(s.totalSteps, 6);
+    EXPECT_EQ(s.steps, 4);  // resumed at step 2, the last complete save
+  } else {
+    ADD_FAILURE() << "unknown phase '" << phase << "'";
+  }
+}
+
+std::vector<hddp::testing::ProcessOutcome> runPhase(const char* phase) {
+  if (std::getenv("HDDP_TEST_CHILD_RANK") == nullptr) {  // a child keeps its parent's phase
+    setenv("HDDP_TEST_PHASE", phase, 1);
+  }
+  return runProcesses(2, phaseBody);
+}
+
+}  // namespace
+
+TEST(Trainer, ResumeInFreshProcessesMatchesTrainingStraightThrough) {
+  const std::string dir = sharedDir("HDDP_TEST_TRAIN_DIR");
+  expectAllSucceeded(runPhase("straight"));
+  expectAllSucceeded(runPhase("first"));
+  ASSERT_FALSE(hddp::listStateFiles(dir + "/b").empty());
+  expectAllSucceeded(runPhase("second"));
+  const auto straight = loadParams(dir + "/straight.pt");
+  const auto resumed = loadParams(dir + "/resumed.pt");
+  ASSERT_EQ(straight.size(), resumed.size());
+  for (size_t i = 0; i < straight.size(); ++i) {
+    EXPECT_TRUE(at::allclose(straight[i], resumed[i], /*rtol=*/0, /*atol=*/1e-6))
+        << "tensor " << i << " differs by "
+        << (straight[i].to(at::kDouble) - resumed[i].to(at::kDouble)).abs().max().item<double>();
+  }
+}
+
+TEST(Trainer, CrashDuringSaveThenResumeFromTheLastGoodState) {
+  const std::string dir = sharedDir("HDDP_TEST_TRAIN_DIR");
+  auto crashed = runPhase("crash");
+  ASSERT_EQ(crashed.size(), 2u);
+  EXPECT_EQ(crashed[0].exitCode, 86) << crashed[0].output;
+  auto files = hddp::listStateFiles(dir + "/c");
+  ASSERT_EQ(files.size(), 1u);
+  EXPECT_EQ(fs::path(files[0]).filename(), "state-00000002.hddp");
+  EXPECT_TRUE(fs::exists(hddp::stateFileName(dir + "/c", 4) + ".tmp"));
+  expectAllSucceeded(runPhase("after-crash"));
+  EXPECT_FALSE(fs::exists(hddp::stateFileName(dir + "/c", 4) + ".tmp"));  // cleaned up
+}
+
+TEST(Trainer, CorruptStateFileIsReportedAndSkippedInADirectory) {
+  const std::string dir = hddp::testing::makeTempDir();
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.saveDir = dir;
+      o.saveEvery = 2;
+      o.maxSteps = 4;
+    });
+  });
+  const std::string newest = hddp::stateFileName(dir, 4);
+  ASSERT_TRUE(fs::exists(newest));
+  {
+    std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    f.put('\x01');
+    f.put('\x02');
+  }
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    const std::string message = stateError(
+        [&] { trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.resume = newest; }); });
+    EXPECT_NE(message.find("corrupt"), std::string::npos) << message;
+    EXPECT_NE(message.find("state-00000004.hddp"), std::string::npos) << message;
+  });
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.resume = dir;  // the newest valid file: step 2
+      o.maxSteps = 5;
+    });
+    EXPECT_EQ(s.steps, 3);
+  });
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    const std::string message = stateError([&] {
+      trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+        o.resume = dir;
+        o.globalBatch = 32;
+      });
+    });
+    EXPECT_NE(message.find("global batch"), std::string::npos) << message;
+  });
+}
+
+TEST(Trainer, LearnsAndWritesMetricsAndTimeline) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::vector<hddp::TrainSummary> summaries(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    summaries[rank] = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 6;
+      o.metricsPath = dir + "/metrics.jsonl";
+      o.timelinePath = dir + "/timeline.json";
+    });
+  });
+  EXPECT_EQ(summaries[0].totalSteps, 24);
+  std::vector<double> epochLoss;
+  for (const char* name : {"metrics.jsonl", "metrics.rank1.jsonl"}) {
+    std::ifstream in(dir + "/" + name);
+    ASSERT_TRUE(in.good()) << name;
+    std::string line;
+    int steps = 0;
+    int summariesSeen = 0;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      const std::string kind = j.at("kind");
+      if (kind == "step") {
+        ++steps;
+        for (const char* key : {"samples_per_s", "local_batch", "share", "data_wait_s", "compute_s",
+                                "comm_wait_s", "loss", "loss_scale"}) {
+          EXPECT_TRUE(j.contains(key)) << key;
+        }
+      } else if (kind == "epoch" && std::string(name) == "metrics.jsonl") {
+        epochLoss.push_back(j.at("train_loss"));
+      } else if (kind == "summary") {
+        ++summariesSeen;
+      }
+    }
+    EXPECT_EQ(steps, 24) << name;
+    EXPECT_EQ(summariesSeen, 1) << name;
+  }
+  ASSERT_EQ(epochLoss.size(), 6u);
+  EXPECT_LT(epochLoss.back(), 0.7 * epochLoss.front());
+  std::ifstream in(dir + "/timeline.json");
+  auto trace = nlohmann::json::parse(in);
+  std::set<int> pids;
+  std::set<std::string> names;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.at("ph") == "X") {
+      pids.insert(e.at("pid").get<int>());
+      names.insert(e.at("name").get<std::string>());
+    }
+  }
+  EXPECT_EQ(pids, (std::set<int>{0, 1}));
+  for (const char* phase : {"data wait", "forward", "backward", "optimizer", "allreduce"}) {
+    EXPECT_TRUE(names.count(phase)) << phase;
+  }
+}
+
+TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
+  std::vector<std::vector<int64_t>> plans(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model;
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 32;
+    o.maxSteps = 12;
+    o.progress = hddp::ProgressMode::Off;
+    o.planner.rebalanceEvery = 3;
+    hddp::EmulationOptions slow;
+    slow.slowdown = rank == 1 ? 4.0 : 1.0;
+    o.emulation = slow;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    trainer.fit();
+    plans[rank] = trainer.planner()->plan().local;
+  });
+  EXPECT_EQ(plans[0], plans[1]);  // every rank derived the same plan
+  EXPECT_GT(plans[0][0], 2 * plans[0][1]) << "plan [" << plans[0][0] << ", " << plans[0][1] << "]";
+}
+
+TEST(Trainer, RefusesBadOptions) {
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto bad = [&](const std::function<void(hddp::TrainerOptions&)>& configure) {
+      try {
+        trainRun(rank, size, store, configure);
+      } catch (const hddp::ConfigError& e) {
+        return std::string(e.what_without_backtrace());
+      }
+      return std::string("(no ConfigError)");
+    };
+    EXPECT_NE(bad([](hddp::TrainerOptions& o) { o.amp = hddp::AmpMode::Fp16; }).find("CUDA"),
+              std::string::npos);
+    EXPECT_NE(bad([](hddp::TrainerOptions& o) { o.saveEvery = 5; }).find("saveDir"),
+              std::string::npos);
+    EXPECT_NE(bad([](hddp::TrainerOptions& o) { o.keepLast = 0; }).find("keepLast"),
+              std::string::npos);
+  });
+  EXPECT_THROW(hddp::parseAmpMode("fp8"), hddp::ConfigError);
+  EXPECT_EQ(hddp::parseAmpMode("bf16"), hddp::AmpMode::Bf16);
+}

@@ -197,6 +197,38 @@ TEST(Planner, AllRanksDeriveTheSamePlanFromMeasurements) {
       << plans[0][0] << " " << plans[0][1] << " " << plans[0][2];
 }
 
+TEST(Planner, StateRestoresPlanStepAndWindow) {
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PlannerOptions o(60);
+    o.rebalanceEvery = 3;
+    hddp::BatchPlanner planner(*comm, o);
+    const double perSample = rank == 0 ? 0.01 : 0.03;
+    for (int step = 0; step < 3; ++step) {
+      planner.record(planner.localBatch(), planner.localBatch() * perSample);
+      planner.endStep();
+    }
+    ASSERT_NE(planner.plan().local, (std::vector<int64_t>{30, 30}));
+    const auto state = planner.state();
+    EXPECT_EQ(state.window.size(), 3u);
+    hddp::BatchPlanner resumed(*comm, o);
+    resumed.restore(state);
+    EXPECT_EQ(resumed.plan().local, planner.plan().local);
+    EXPECT_EQ(resumed.step(), 3);
+    EXPECT_EQ(resumed.state().window, state.window);
+    // Both continue identically: the next update comes at the same step.
+    for (int step = 0; step < 3; ++step) {
+      planner.record(planner.localBatch(), planner.localBatch() * perSample);
+      resumed.record(resumed.localBatch(), resumed.localBatch() * perSample);
+      EXPECT_EQ(planner.endStep(), resumed.endStep());
+    }
+    EXPECT_EQ(resumed.plan().local, planner.plan().local);
+    hddp::PlannerOptions other(64);
+    hddp::BatchPlanner differentBatch(*comm, other);
+    EXPECT_THROW(differentBatch.restore(state), hddp::ConfigError);
+  });
+}
+
 TEST(DistributedSampler, EverySampleOncePerEpochUnderChangingPlans) {
   for (int world : {1, 2, 3, 4}) {
     for (bool dropLast : {false, true}) {

@@ -1,34 +1,41 @@
-// The README's example: two ranks with unequal shares train like one device.
+// hddp used directly: init, the DDP wrapper, the planner's split, the loop.
 //   hddp-run --nproc-per-node 2 -- ./build/examples/quickstart/quickstart
 #include <hddp/hddp.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 
 int main() {
   auto ctx = hddp::initFromEnv();  // torchrun, Slurm, Open MPI or hddp-run conventions
-  torch::manual_seed(0);
-  torch::nn::Sequential model(torch::nn::Linear(784, 128), torch::nn::ReLU(),
-                              torch::nn::Linear(128, 10));
-  hddp::DistributedDataParallel ddp(model, *ctx.communicator);  // same start on every rank
-  torch::optim::SGD opt(model->parameters(), 0.1);
-  const int64_t globalBatch = 96;
-  const int64_t local =
-      ctx.worldSize() == 1 ? 96 : (ctx.rank() == 0 ? 64 : 32 / (ctx.worldSize() - 1));
-  torch::manual_seed(1 + ctx.rank());
-  auto x = torch::randn({local, 784});
-  auto y = torch::randint(0, 10, {local});
-  double first = 0;
-  double last = 0;
-  for (int step = 0; step < 50; ++step) {
-    ddp.setBatch(local, globalBatch);  // gradients weighted by local / global
+  torch::manual_seed(0);           // the same initial weights and task on every rank
+  torch::nn::Sequential model(torch::nn::Linear(32, 64), torch::nn::ReLU(),
+                              torch::nn::Linear(64, 4));
+  auto teacher = torch::randn({32, 4});
+  hddp::DistributedDataParallel ddp(model, *ctx.communicator);
+  torch::optim::SGD opt(model->parameters(), 0.2);
+  hddp::PlannerOptions po(/*globalBatch=*/96);
+  po.minLocalBatch = 1;
+  hddp::BatchPlanner planner(*ctx.communicator, po);  // split by measured speed
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    const hddp::BatchPlan& plan = planner.plan();  // identical on every rank
+    const int64_t local = plan.local[ctx.rank()];
+    torch::manual_seed(1000 + step);  // this step's global batch; each rank takes its slice
+    auto x = torch::randn({plan.global, 32}).narrow(0, plan.offsetOf(ctx.rank()), local);
+    auto y = x.matmul(teacher).argmax(1);
+    const auto t0 = std::chrono::steady_clock::now();
+    ddp.setBatch(local, plan.global);  // gradients weighted by local / global
     opt.zero_grad();
     auto loss = torch::cross_entropy_loss(model->forward(x), y);
-    loss.backward();  // allreduce overlaps backward
-    opt.step();       // = a single-device step on all 96 samples
+    loss.backward();  // bucketed allreduce overlaps backward
+    opt.step();       // = one single-device step on all 96 samples
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - t0;
+    planner.record(local, took.count() - ddp.lastStepStats().waitSeconds);
+    planner.endStep();  // every 10 steps: all ranks exchange speeds, derive one new split
     (step == 0 ? first : last) = loss.item<double>();
   }
-  std::printf("rank %d: %lld samples per step, loss %.4f -> %.4f\n", ctx.rank(),
-              static_cast<long long>(local), first, last);
+  std::printf("rank %d: split %s, loss %.3f -> %.3f\n", ctx.rank(),
+              planner.plan().describe().c_str(), first, last);
   return last < first ? 0 : 1;
 }

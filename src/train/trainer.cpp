@@ -254,6 +254,29 @@ class Trainer::Impl {
         summary.lastStateFile = save();
       }
     }
+    if (stopEarly && evaluation_) {
+      // maxSteps ended the run inside an epoch: evaluate what was trained.
+      const auto e0 = Clock::now();
+      auto evaluation = evaluation_(epoch_);
+      timeline_.add("evaluation", e0, Clock::now(), step_);
+      model_->train();
+      if (!evaluation.empty()) {
+        lastEvaluation_ = evaluation;
+        nlohmann::json record{
+            {"kind", "evaluation"}, {"rank", rank}, {"epoch", epoch_}, {"step", step_}};
+        std::ostringstream line;
+        line.precision(4);
+        line << "step " << step_ << " (epoch " << epoch_ + 1 << ", stopped by maxSteps):";
+        const char* sep = " ";
+        for (const auto& [k, v] : evaluation) {
+          record[k] = v;
+          line << sep << k << " " << v;
+          sep = ", ";
+        }
+        metrics_.write(record);
+        progress_->line(line.str());
+      }
+    }
     if (stopEarly && !options_.saveDir.empty() && lastSaved_ != step_) {
       summary.lastStateFile = save();
     }
@@ -408,7 +431,9 @@ class Trainer::Impl {
       timeline_.add("evaluation", e0, Clock::now(), step_);
       model_->train();
     }
-    lastEvaluation_ = evaluation;
+    if (!evaluation.empty()) {  // an epoch without evaluation keeps the last one
+      lastEvaluation_ = evaluation;
+    }
     ++summary.epochsCompleted;
     nlohmann::json record{{"kind", "epoch"},
                           {"rank", comm_.rank()},

@@ -141,8 +141,10 @@ class Trainer {
   using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
   /// Called before every step (set the learning rate from info.step, for instance).
   using ScheduleFn = std::function<void(const StepInfo& info, torch::optim::Optimizer& optimizer)>;
-  /// Called at the end of every epoch on every rank (it may use collectives); the
-  /// returned metrics go to the epoch's metrics line and the progress output.
+  /// Called at the end of every epoch on every rank (it may use collectives), and once
+  /// more when maxSteps stops the run inside an epoch; the returned metrics go to the
+  /// epoch's metrics line and the progress output. An empty map means "not evaluated
+  /// this time" (TrainSummary::lastEvaluation keeps the last non-empty one).
   using EvalFn = std::function<std::map<std::string, double>(int64_t epoch)>;
 
   Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> model, ForwardFn forward,

@@ -1,0 +1,302 @@
+#include "example_common.h"
+
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <thread>
+
+#include "hddp/balance/emulation.h"
+#include "hddp/comm/communicator.h"
+#include "hddp/comm/rendezvous.h"
+#include "hddp/core/autocast.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+namespace hddp {
+namespace examples {
+
+void addCommonFlags(CLI::App& app, CommonFlags& f) {
+  app.add_option("--global-batch", f.globalBatch, "Samples per optimizer step over all ranks")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--epochs", f.epochs, "Passes over the training set")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--max-steps", f.maxSteps, "Stop after this many steps in total (0: no limit)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--lr", f.lr, "Peak learning rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--schedule", f.schedule,
+                 "Learning-rate schedule after warm-up: cosine (to 0), step (x0.1 at 50% and "
+                 "75% of the steps) or constant")
+      ->check(CLI::IsMember({"cosine", "step", "constant"}))
+      ->capture_default_str();
+  app.add_option("--warmup-epochs", f.warmupEpochs, "Linear learning-rate warm-up (epochs)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--optimizer", f.optimizer, "sgd (momentum, Nesterov) or adamw")
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str();
+  app.add_option("--momentum", f.momentum, "SGD momentum")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--weight-decay", f.weightDecay, "Weight decay")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--amp", f.amp,
+                 "Mixed precision: off, bf16 (CPU and CUDA) or fp16 (CUDA, dynamic loss scaling)")
+      ->check(CLI::IsMember({"off", "bf16", "fp16"}))
+      ->capture_default_str();
+  app.add_flag("--checkpoint-activations", f.checkpointActivations,
+               "Recompute blocks in backward instead of storing their activations");
+  app.add_option("--clip-grad-norm", f.clipGradNorm, "Clip the global gradient norm (0: off)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--workers", f.workers, "Data-loading threads per rank (0: load inline)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--prefetch", f.prefetch, "Batches prepared ahead per rank")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--save-dir", f.saveDir, "Write state files here (atomic, CRC-checked)");
+  app.add_option("--save-every", f.saveEvery,
+                 "Save every N steps (0: at the end of each epoch and of the run)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--resume", f.resume,
+                 "Resume from a state file, or the newest valid one in a directory");
+  app.add_option("--eval-every", f.evalEvery, "Evaluate every N epochs (the last always)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--eval-batch", f.evalBatch, "Evaluation batch per rank")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--threads", f.threads,
+                 "Intra-op threads per rank (0: this host's cores / ranks on this host)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--metrics", f.metrics,
+                 "JSON-lines metrics file (rank r > 0 writes NAME.rank<r>.EXT)");
+  app.add_option("--timeline", f.timeline, "Chrome-trace / Perfetto timeline of every rank");
+  app.add_flag("--no-balance", f.noBalance,
+               "Equal split of the global batch (PyTorch DDP) instead of the planner's");
+  app.add_option("--emulate-slowdown", f.emulateSlowdown,
+                 "DEMO ONLY: stretch ranks' compute, e.g. 1:3 (rank 1 three times slower)");
+  app.add_option("--emulate-link-gbps", f.emulateLinkGbps,
+                 "DEMO ONLY: limit ranks' input link, e.g. 1:2.8 (GB/s)");
+  app.add_option("--seed", f.seed, "Seed of initialisation, shuffling and augmentation")
+      ->capture_default_str();
+  app.add_option("--limit-train", f.limitTrain, "Train on this many samples (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--limit-test", f.limitTest, "Evaluate on this many samples (0: all)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  app.add_option("--progress", f.progress, "auto (a live bar on a terminal), lines or off")
+      ->check(CLI::IsMember({"auto", "lines", "off"}))
+      ->capture_default_str();
+}
+
+int applyThreads(const CommonFlags& flags, const DistributedContext& ctx) {
+  int threads = flags.threads;
+  if (threads <= 0) {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    threads = std::max(1, cores / std::max(1, ctx.info.localWorldSize));
+  }
+  torch::set_num_threads(threads);
+  return threads;
+}
+
+TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ctx) {
+  TrainerOptions o;
+  o.globalBatch = f.globalBatch;
+  o.epochs = f.epochs;
+  o.maxSteps = f.maxSteps;
+  o.seed = f.seed;
+  o.amp = parseAmpMode(f.amp);
+  HDDP_CHECK_AS(ConfigError, !(o.amp == AmpMode::Fp16 && !ctx.device.is_cuda()),
+                "--amp fp16 needs a CUDA device (this rank runs on ", ctx.device.str(),
+                "); use --amp bf16 on CPU");
+  o.clipGradNorm = f.clipGradNorm;
+  o.balance = !f.noBalance;
+  o.loader.workers = f.workers;
+  o.loader.depth = f.prefetch;
+  o.metricsPath = f.metrics;
+  o.timelinePath = f.timeline;
+  o.progress = f.progress == "off"     ? ProgressMode::Off
+               : f.progress == "lines" ? ProgressMode::Lines
+                                       : ProgressMode::Auto;
+  o.saveDir = f.saveDir;
+  o.saveEvery = f.saveEvery;
+  o.resume = f.resume;
+  if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty()) {
+    EmulationOptions e = emulationFromEnv(ctx.rank());  // flags override the environment
+    if (!f.emulateSlowdown.empty()) {
+      e.slowdown = parseRankValue("--emulate-slowdown", f.emulateSlowdown, ctx.rank(), 1.0);
+    }
+    if (!f.emulateLinkGbps.empty()) {
+      e.linkBytesPerSecond =
+          parseRankValue("--emulate-link-gbps", f.emulateLinkGbps, ctx.rank(), 0.0) * 1e9;
+    }
+    o.emulation = e;
+  }
+  return o;
+}
+
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::vector<at::Tensor>& parameters,
+                                                       const CommonFlags& f) {
+  if (f.optimizer == "adamw") {
+    return std::make_unique<torch::optim::AdamW>(
+        parameters, torch::optim::AdamWOptions(f.lr).weight_decay(f.weightDecay));
+  }
+  return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(f.lr)
+                                                             .momentum(f.momentum)
+                                                             .nesterov(f.momentum > 0)
+                                                             .weight_decay(f.weightDecay));
+}
+
+double scheduledLearningRate(const CommonFlags& f, int64_t step, int64_t totalSteps,
+                             int64_t warmupSteps) {
+  if (step < warmupSteps) {
+    return f.lr * static_cast<double>(step + 1) / static_cast<double>(warmupSteps);
+  }
+  const double span = static_cast<double>(std::max<int64_t>(1, totalSteps - warmupSteps));
+  const double t = std::min(1.0, static_cast<double>(step - warmupSteps) / span);
+  if (f.schedule == "cosine") {
+    return f.lr * 0.5 * (1.0 + std::cos(M_PI * t));
+  }
+  if (f.schedule == "step") {
+    return f.lr * (t < 0.5 ? 1.0 : t < 0.75 ? 0.1 : 0.01);
+  }
+  return f.lr;
+}
+
+void installSchedule(Trainer& trainer, const CommonFlags& f, int64_t trainSamples) {
+  const int64_t perEpoch = (trainSamples + f.globalBatch - 1) / f.globalBatch;
+  int64_t total = perEpoch * f.epochs;
+  if (f.maxSteps > 0) {
+    total = std::min(total, f.maxSteps);
+  }
+  const auto warmup = static_cast<int64_t>(std::llround(f.warmupEpochs * perEpoch));
+  trainer.setSchedule([f, total, warmup](const StepInfo& info, torch::optim::Optimizer& opt) {
+    setLearningRate(opt, scheduledLearningRate(f, info.step, total, warmup));
+  });
+}
+
+namespace {
+
+class IndexedSubset : public Dataset {
+ public:
+  IndexedSubset(std::shared_ptr<const Dataset> base, std::vector<int64_t> indices)
+      : base_(std::move(base)), indices_(std::move(indices)) {}
+  int64_t size() const override { return static_cast<int64_t>(indices_.size()); }
+  Example get(int64_t index, SampleRng& rng) const override {
+    return base_->get(indices_.at(static_cast<size_t>(index)), rng);
+  }
+  std::string describe() const override {
+    return c10::str(base_->describe(), " (", indices_.size(), " of them)");
+  }
+
+ private:
+  std::shared_ptr<const Dataset> base_;
+  std::vector<int64_t> indices_;
+};
+
+}  // namespace
+
+std::shared_ptr<const Dataset> randomSubset(std::shared_ptr<const Dataset> base, int64_t count,
+                                            uint64_t seed, int64_t skip) {
+  const int64_t n = base->size();
+  HDDP_CHECK_AS(ConfigError, count >= 0 && skip >= 0 && skip + count <= n, "cannot take ", count,
+                " samples after skipping ", skip, " from ", base->describe(), ": it has only ", n);
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(seed ^ 0x5eedull);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<int64_t> picked(order.begin() + skip, order.begin() + skip + count);
+  std::sort(picked.begin(), picked.end());
+  return std::make_shared<IndexedSubset>(std::move(base), std::move(picked));
+}
+
+std::vector<double> evaluateSharded(Trainer& trainer, Communicator& comm, const Dataset& data,
+                                    int64_t batchSize, AmpMode amp, size_t sumCount,
+                                    const std::function<void(const at::Tensor&, const at::Tensor&,
+                                                             std::vector<double>&)>& accumulate) {
+  // Shares follow the current split (a slower rank evaluates fewer samples).
+  const int world = comm.size();
+  const int rank = comm.rank();
+  std::vector<double> weight(static_cast<size_t>(world), 1.0);
+  if (const BatchPlan* plan = trainer.planner() ? &trainer.planner()->plan() : nullptr) {
+    for (int r = 0; r < world; ++r) {
+      weight[static_cast<size_t>(r)] = static_cast<double>(plan->local[static_cast<size_t>(r)]);
+    }
+  }
+  const double total = std::accumulate(weight.begin(), weight.end(), 0.0);
+  const int64_t n = data.size();
+  auto boundary = [&](int r) {
+    double before = 0;
+    for (int i = 0; i < r; ++i) {
+      before += weight[static_cast<size_t>(i)];
+    }
+    return r == world ? n : static_cast<int64_t>(std::floor(n * before / total));
+  };
+  const int64_t begin = boundary(rank);
+  const int64_t end = boundary(rank + 1);
+
+  const c10::Device device = comm.device();
+  std::vector<double> sums(sumCount, 0.0);
+  torch::NoGradGuard noGrad;
+  trainer.ddp().module().eval();
+  std::optional<AutocastGuard> autocast;
+  if (amp != AmpMode::Off) {
+    autocast.emplace(device.type(), amp == AmpMode::Fp16 ? at::kHalf : at::kBFloat16);
+  }
+  SampleRng rng(0);  // evaluation data is not augmented; the rng is unused
+  for (int64_t first = begin; first < end; first += batchSize) {
+    const int64_t last = std::min(end, first + batchSize);
+    std::vector<Example> examples;
+    examples.reserve(static_cast<size_t>(last - first));
+    for (int64_t i = first; i < last; ++i) {
+      examples.push_back(data.get(i, rng));
+    }
+    Example batch = collate(examples);
+    accumulate(batch.input.to(device), batch.target.to(device), sums);
+  }
+  at::Tensor reduced = at::tensor(sums, at::kDouble).to(device);
+  comm.allreduce(reduced).wait();
+  reduced = reduced.cpu();
+  for (size_t i = 0; i < sumCount; ++i) {
+    sums[i] = reduced[static_cast<int64_t>(i)].item<double>();
+  }
+  return sums;
+}
+
+bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch) {
+  return (epoch + 1) % flags.evalEvery == 0 || epoch + 1 == flags.epochs;
+}
+
+int runMain(const char* program, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const ConfigError& e) {
+    std::fprintf(stderr, "%s: configuration error: %s\n", program, e.what_without_backtrace());
+    return 2;
+  } catch (const DataError& e) {
+    std::fprintf(stderr, "%s: data error: %s\n", program, e.what_without_backtrace());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+  }
+  return 1;
+}
+
+}  // namespace examples
+}  // namespace hddp

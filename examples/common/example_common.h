@@ -1,0 +1,112 @@
+// What the example trainers (examples/resnet, examples/unet) share: the command-line
+// flags that map onto hddp::TrainerOptions, the optimizer and learning-rate schedule,
+// sharded evaluation with one allreduce, and error reporting in main().
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hddp/data/dataset.h"
+#include "hddp/train/trainer.h"
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace torch {
+namespace optim {
+class Optimizer;
+}  // namespace optim
+}  // namespace torch
+
+namespace hddp {
+class Communicator;
+struct DistributedContext;
+
+namespace examples {
+
+/// The flags every trainer has (see addCommonFlags for their names and help).
+struct CommonFlags {
+  int64_t globalBatch = 128;
+  int64_t epochs = 1;
+  int64_t maxSteps = 0;
+  double lr = 0.1;
+  std::string schedule = "cosine";  // cosine | step | constant
+  double warmupEpochs = 0.0;
+  std::string optimizer = "sgd";  // sgd | adamw
+  double momentum = 0.9;
+  double weightDecay = 5e-4;
+  std::string amp = "off";
+  bool checkpointActivations = false;
+  int workers = 2;
+  int prefetch = 2;
+  std::string saveDir;
+  int64_t saveEvery = 0;
+  std::string resume;
+  int64_t evalEvery = 1;
+  int64_t evalBatch = 256;
+  int threads = 0;
+  std::string metrics;
+  std::string timeline;
+  bool noBalance = false;
+  std::string emulateSlowdown;
+  std::string emulateLinkGbps;
+  uint64_t seed = 0;
+  int64_t limitTrain = 0;
+  int64_t limitTest = 0;
+  std::string progress = "auto";
+  double clipGradNorm = 0.0;
+};
+
+/// Registers the common flags on `app`, writing into `flags`.
+void addCommonFlags(CLI::App& app, CommonFlags& flags);
+
+/// Threads per rank: --threads, else the machine's cores divided by the ranks on this
+/// host (at least 1). Sets LibTorch's intra-op threads and returns the number.
+int applyThreads(const CommonFlags& flags, const DistributedContext& ctx);
+
+/// TrainerOptions from the flags (validated: a bad value throws hddp::ConfigError).
+TrainerOptions trainerOptions(const CommonFlags& flags, const DistributedContext& ctx);
+
+/// SGD (momentum, Nesterov, decoupled from nothing: weight decay as L2 in SGD) or AdamW.
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::vector<at::Tensor>& parameters,
+                                                       const CommonFlags& flags);
+
+/// Learning rate at `step` of `totalSteps`: linear warm-up over warmupSteps, then
+/// cosine to 0, step decay (x0.1 at 50% and 75%), or constant.
+double scheduledLearningRate(const CommonFlags& flags, int64_t step, int64_t totalSteps,
+                             int64_t warmupSteps);
+
+/// Installs the schedule on the trainer; the total is epochs x steps per epoch, or
+/// maxSteps when smaller.
+void installSchedule(Trainer& trainer, const CommonFlags& flags, int64_t trainSamples);
+
+/// Keeps `count` samples of `base` chosen by a seeded permutation (a validation split
+/// of a folder that has no test set, or --limit-*).
+std::shared_ptr<const Dataset> randomSubset(std::shared_ptr<const Dataset> base, int64_t count,
+                                            uint64_t seed, int64_t skip = 0);
+
+/// Sharded evaluation: rank r evaluates its share of `data` (shares follow the
+/// trainer's current split, so a slower rank gets fewer samples), `accumulate` adds a
+/// batch's sums into `sums` (same length on every rank), one allreduce adds the ranks'
+/// sums. Returns the global sums. Runs under NoGrad, eval mode and the AMP mode.
+std::vector<double> evaluateSharded(
+    Trainer& trainer, Communicator& comm, const Dataset& data, int64_t batchSize, AmpMode amp,
+    size_t sumCount,
+    const std::function<void(const at::Tensor& input, const at::Tensor& target,
+                             std::vector<double>& sums)>& accumulate);
+
+/// True when this epoch (0-based) is evaluated under --eval-every (the last always is).
+bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch);
+
+/// Runs `body`, turning hddp errors into a message on stderr naming the problem and
+/// an exit status (2 for configuration or data errors, 1 otherwise).
+int runMain(const char* program, const std::function<int()>& body);
+
+}  // namespace examples
+}  // namespace hddp

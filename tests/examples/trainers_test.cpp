@@ -1,0 +1,241 @@
+// The example trainers end to end, as a user runs them from the shell: 1 and 2 ranks
+// (through hddp-run), bf16 autocast and activation checkpointing, tiny data, a few
+// steps; the training loss must go down and the evaluation must be reported. Also the
+// errors a user gets for bad flags.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#if __has_include(<stb/stb_image_write.h>)
+#include <stb/stb_image_write.h>
+#else
+#include <stb_image_write.h>
+#endif
+
+#include "example_common.h"
+#include "hddp/core/error.h"
+#include "hddp/data/datasets.h"
+#include "support/ranks.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Not std::filesystem::remove_all: in a process linked with the torch wheel's
+// libtorch.so that call resolves into libtorch's copy and crashes (a null call).
+void removeTree(const std::string& dir) {
+  ASSERT_EQ(std::system(("rm -rf '" + dir + "'").c_str()), 0) << dir;
+}
+
+struct RunResult {
+  int status = -1;
+  std::string output;
+  std::vector<nlohmann::json> records;  // rank 0's metrics lines
+};
+
+// Runs `program args` on `ranks` ranks (hddp-run for 2+) with metrics into a temp dir.
+RunResult runTrainer(const std::string& program, const std::string& args, int ranks = 1) {
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::string metrics = dir + "/metrics.jsonl";
+  const std::string log = dir + "/out.log";
+  std::string cmd;
+  if (ranks > 1) {
+    cmd =
+        hddp::testing::toolsDir() + "/hddp-run --nproc-per-node " + std::to_string(ranks) + " -- ";
+  }
+  cmd += program + " " + args + " --threads 1 --progress lines --metrics " + metrics + " > " + log +
+         " 2>&1";
+  RunResult r;
+  const int raw = std::system(cmd.c_str());
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  r.output = text.str();
+  std::ifstream lines(metrics);
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.empty()) {
+      r.records.push_back(nlohmann::json::parse(line));
+    }
+  }
+  removeTree(dir);
+  return r;
+}
+
+std::vector<nlohmann::json> ofKind(const RunResult& r, const std::string& kind) {
+  std::vector<nlohmann::json> out;
+  for (const auto& rec : r.records) {
+    if (rec.value("kind", "") == kind) {
+      out.push_back(rec);
+    }
+  }
+  return out;
+}
+
+// Epoch records' mean training loss decreases from the first epoch to the last.
+void expectLearns(const RunResult& r, int epochs) {
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto epochRecords = ofKind(r, "epoch");
+  ASSERT_EQ(static_cast<int>(epochRecords.size()), epochs) << r.output;
+  const double first = epochRecords.front()["train_loss"].get<double>();
+  const double last = epochRecords.back()["train_loss"].get<double>();
+  EXPECT_LT(last, 0.9 * first) << r.output;
+  const auto summary = ofKind(r, "summary");
+  ASSERT_EQ(summary.size(), 1u) << r.output;
+}
+
+const std::string kResnet = HDDP_TEST_TRAIN_RESNET;
+const std::string kUnet = HDDP_TEST_TRAIN_UNET;
+const std::string kTinyResnet =
+    "--model resnet20 --dataset synthetic --image-size 16 --limit-train 192 --limit-test 96 "
+    "--global-batch 32 --epochs 3 --lr 0.05 --workers 1";
+const std::string kTinyUnet =
+    "--image-size 32 --depth 2 --base-width 8 --samples 96 --test-samples 32 --global-batch 16 "
+    "--epochs 3 --workers 1";
+
+TEST(ExampleTrainers, ResnetOneRankLearnsAndReportsAccuracy) {
+  auto r = runTrainer(kResnet, kTinyResnet);
+  expectLearns(r, 3);
+  const auto summary = ofKind(r, "summary").at(0);
+  ASSERT_TRUE(summary.contains("test_acc")) << r.output;
+  EXPECT_GT(summary["test_acc"].get<double>(), 0.2) << r.output;  // 10 classes: chance 0.1
+  EXPECT_NE(r.output.find("test accuracy"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("test_acc"), std::string::npos) << "per-epoch line\n" << r.output;
+}
+
+TEST(ExampleTrainers, ResnetTwoRanksBf16CheckpointedLearns) {
+  auto r = runTrainer(kResnet, kTinyResnet + " --amp bf16 --checkpoint-activations", 2);
+  expectLearns(r, 3);
+  EXPECT_TRUE(ofKind(r, "summary").at(0).contains("test_acc")) << r.output;
+}
+
+TEST(ExampleTrainers, ResnetMaxStepsEndsWithAnEvaluation) {
+  auto r = runTrainer(kResnet, kTinyResnet + " --max-steps 4", 2);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto evals = ofKind(r, "evaluation");
+  ASSERT_EQ(evals.size(), 1u) << r.output;
+  EXPECT_EQ(evals[0]["step"].get<int64_t>(), 4);
+  EXPECT_TRUE(ofKind(r, "summary").at(0).contains("test_acc")) << r.output;
+}
+
+TEST(ExampleTrainers, ResnetOnFashionMnistWhenInstalled) {
+  const std::string dir = "/usr/share/datasets/fashion-mnist";
+  if (!fs::exists(dir + "/train-images-idx3-ubyte.gz")) {
+    GTEST_SKIP() << "dataset-fashion-mnist not installed";
+  }
+  auto r = runTrainer(
+      kResnet, "--limit-train 512 --limit-test 256 --global-batch 64 --epochs 2 --lr 0.05", 2);
+  expectLearns(r, 2);
+  EXPECT_NE(r.output.find("Fashion-MNIST"), std::string::npos) << r.output;
+}
+
+TEST(ExampleTrainers, ResnetOnAnImageFolderWithHeldOutSplit) {
+  // Two classes: bright top half vs bright bottom half, 24 PNGs each.
+  const std::string dir = hddp::testing::makeTempDir();
+  std::mt19937 rng(3);
+  for (int c = 0; c < 2; ++c) {
+    const std::string sub = dir + "/" + (c ? "bottom" : "top");
+    fs::create_directories(sub);
+    for (int i = 0; i < 24; ++i) {
+      std::vector<unsigned char> px(16 * 16);
+      for (int y = 0; y < 16; ++y) {
+        for (int x = 0; x < 16; ++x) {
+          const bool lit = (y < 8) != (c == 1);
+          px[static_cast<size_t>(y * 16 + x)] =
+              static_cast<unsigned char>((lit ? 180 : 40) + static_cast<int>(rng() % 40));
+        }
+      }
+      ASSERT_TRUE(stbi_write_png((sub + "/" + std::to_string(i) + ".png").c_str(), 16, 16, 1,
+                                 px.data(), 16));
+    }
+  }
+  auto r =
+      runTrainer(kResnet, "--dataset folder --data " + dir +
+                              " --channels 1 --image-size 16 --val-fraction 0.25 --global-batch 12 "
+                              "--epochs 3 --lr 0.05 --workers 1");
+  removeTree(dir);
+  expectLearns(r, 3);
+  EXPECT_NE(r.output.find("(36 of them)"), std::string::npos) << r.output;
+}
+
+TEST(ExampleTrainers, UnetOneRankLearnsAndReportsIoU) {
+  auto r = runTrainer(kUnet, kTinyUnet);
+  expectLearns(r, 3);
+  const auto summary = ofKind(r, "summary").at(0);
+  for (const char* key : {"mean_iou", "dice", "pixel_acc", "test_loss"}) {
+    EXPECT_TRUE(summary.contains(key)) << key << "\n" << r.output;
+  }
+  EXPECT_NE(r.output.find("mean IoU"), std::string::npos) << r.output;
+}
+
+TEST(ExampleTrainers, UnetTwoRanksBf16CheckpointedLearns) {
+  auto r = runTrainer(kUnet, kTinyUnet + " --amp bf16 --checkpoint-activations", 2);
+  expectLearns(r, 3);
+}
+
+TEST(ExampleTrainers, BadFlagsSayWhatIsWrong) {
+  auto r = runTrainer(kResnet, "--dataset cifar10");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--data DIR"), std::string::npos) << r.output;
+  r = runTrainer(kUnet, "--image-size 30 --depth 2");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("not a multiple of 2^depth"), std::string::npos) << r.output;
+  r = runTrainer(kResnet, "--model resnet21");
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("--model"), std::string::npos) << r.output;
+  r = runTrainer(kResnet, "--dataset mnist --data /nonexistent-hddp-dir");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent-hddp-dir"), std::string::npos) << r.output;
+  r = runTrainer(kResnet, "--amp fp16 --dataset synthetic");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("bf16"), std::string::npos) << r.output;
+}
+
+TEST(ExampleCommon, LearningRateSchedules) {
+  hddp::examples::CommonFlags f;
+  f.lr = 0.4;
+  f.schedule = "cosine";
+  using hddp::examples::scheduledLearningRate;
+  EXPECT_DOUBLE_EQ(scheduledLearningRate(f, 0, 100, 10), 0.04);  // warm-up 1/10
+  EXPECT_DOUBLE_EQ(scheduledLearningRate(f, 9, 100, 10), 0.4);
+  EXPECT_DOUBLE_EQ(scheduledLearningRate(f, 10, 100, 10), 0.4);    // cosine starts at the peak
+  EXPECT_NEAR(scheduledLearningRate(f, 55, 100, 10), 0.2, 1e-12);  // half way
+  EXPECT_NEAR(scheduledLearningRate(f, 100, 100, 10), 0.0, 1e-12);
+  f.schedule = "step";
+  EXPECT_DOUBLE_EQ(scheduledLearningRate(f, 49, 100, 0), 0.4);
+  EXPECT_NEAR(scheduledLearningRate(f, 50, 100, 0), 0.04, 1e-12);
+  EXPECT_NEAR(scheduledLearningRate(f, 80, 100, 0), 0.004, 1e-12);
+  f.schedule = "constant";
+  EXPECT_DOUBLE_EQ(scheduledLearningRate(f, 99, 100, 0), 0.4);
+}
+
+TEST(ExampleCommon, RandomSubsetsAreDisjointSeededAndChecked) {
+  auto base = std::make_shared<hddp::SyntheticClassificationDataset>(50, 1, 4, 2, 1);
+  auto held = hddp::examples::randomSubset(base, 10, 3, 0);
+  auto rest = hddp::examples::randomSubset(base, 40, 3, 10);
+  EXPECT_EQ(held->size(), 10);
+  EXPECT_EQ(rest->size(), 40);
+  // Same seed: the two parts of one permutation, so together every sample once.
+  std::set<std::vector<float>> seen;
+  hddp::SampleRng rng(0);
+  for (const auto& part : {held, rest}) {
+    for (int64_t i = 0; i < part->size(); ++i) {
+      auto x = part->get(i, rng).input.contiguous();
+      seen.insert(std::vector<float>(x.data_ptr<float>(), x.data_ptr<float>() + x.numel()));
+    }
+  }
+  EXPECT_EQ(seen.size(), 50u);
+  EXPECT_THROW(hddp::examples::randomSubset(base, 45, 3, 10), hddp::ConfigError);
+}
+
+}  // namespace

@@ -138,6 +138,8 @@ int run(int argc, char** argv) {
   double valFraction = 0.1;
   bool syncBn = false;
   bool noAugment = false;
+  // A flag given twice takes the last value (scripts append overrides to defaults).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   ex::CommonFlags flags;
   app.add_option("--model", model, "resnet20, resnet32, resnet56, resnet18, resnet34, resnet50")
       ->check(

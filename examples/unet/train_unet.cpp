@@ -36,6 +36,8 @@ int run(int argc, char** argv) {
   int64_t baseWidth = 16;
   bool noBatchNorm = false;
   bool noAugment = false;
+  // A flag given twice takes the last value (scripts append overrides to defaults).
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   ex::CommonFlags flags;
   flags.optimizer = "adamw";
   flags.lr = 2e-3;

@@ -273,6 +273,7 @@ class Trainer::Impl {
           line << sep << k << " " << v;
           sep = ", ";
         }
+        line << " (split " << currentPlan().describe() << ")";
         metrics_.write(record);
         progress_->line(line.str());
       }

@@ -236,12 +236,12 @@ int run(int argc, char** argv) {
   if (ctx.rank() == 0) {
     auto acc = summary.lastEvaluation.find("test_acc");
     if (acc != summary.lastEvaluation.end()) {
-      std::printf("test accuracy %.4f, test loss %.4f (%lld steps, %.1f s, %.0f samples/s)\n",
-                  acc->second, summary.lastEvaluation.at("test_loss"),
-                  static_cast<long long>(summary.totalSteps), summary.seconds,
-                  summary.samplesPerSecond);
+      std::fprintf(
+          stderr, "test accuracy %.4f, test loss %.4f (%lld steps, %.1f s, %.0f samples/s)\n",
+          acc->second, summary.lastEvaluation.at("test_loss"),
+          static_cast<long long>(summary.totalSteps), summary.seconds, summary.samplesPerSecond);
     }
-    std::fflush(stdout);
+    std::fflush(stderr);
   }
   return 0;
 }

@@ -211,11 +211,12 @@ int run(int argc, char** argv) {
   auto summary = trainer.fit();
   if (ctx.rank() == 0 && summary.lastEvaluation.count("mean_iou")) {
     const auto& e = summary.lastEvaluation;
-    std::printf(
+    std::fprintf(
+        stderr,
         "test mean IoU %.4f, Dice %.4f, pixel accuracy %.4f, loss %.4f (%lld steps, %.1f s)\n",
         e.at("mean_iou"), e.at("dice"), e.at("pixel_acc"), e.at("test_loss"),
         static_cast<long long>(summary.totalSteps), summary.seconds);
-    std::fflush(stdout);
+    std::fflush(stderr);
   }
   return 0;
 }

@@ -224,33 +224,55 @@ std::shared_ptr<const Dataset> randomSubset(std::shared_ptr<const Dataset> base,
   return std::make_shared<IndexedSubset>(std::move(base), std::move(picked));
 }
 
-std::vector<double> evaluateSharded(Trainer& trainer, Communicator& comm, const Dataset& data,
-                                    int64_t batchSize, AmpMode amp, size_t sumCount,
-                                    const std::function<void(const at::Tensor&, const at::Tensor&,
-                                                             std::vector<double>&)>& accumulate) {
+std::pair<std::shared_ptr<const Dataset>, std::shared_ptr<const Dataset>> holdOut(
+    std::shared_ptr<const Dataset> train, std::shared_ptr<const Dataset> evalView, double fraction,
+    uint64_t seed) {
+  const int64_t n = train->size();
+  HDDP_CHECK_AS(ConfigError, evalView->size() == n, "holdOut: the evaluation view has ",
+                evalView->size(), " samples, the training set ", n);
+  const auto held = static_cast<int64_t>(static_cast<double>(n) * fraction);
+  HDDP_CHECK_AS(ConfigError, held >= 1 && held < n, "--val-fraction ", fraction, " of ", n,
+                " images leaves no training or no validation images; give --test-data DIR or "
+                "another fraction");
+  auto test = randomSubset(std::move(evalView), held, seed, 0);
+  return {randomSubset(std::move(train), n - held, seed, held), std::move(test)};
+}
+
+void applyLimits(const CommonFlags& flags, std::shared_ptr<const Dataset>& train,
+                 std::shared_ptr<const Dataset>& test) {
+  if (flags.limitTrain > 0 && flags.limitTrain < train->size()) {
+    train = randomSubset(train, flags.limitTrain, flags.seed);
+  }
+  if (flags.limitTest > 0 && flags.limitTest < test->size()) {
+    test = randomSubset(test, flags.limitTest, flags.seed + 7);
+  }
+}
+
+std::vector<double> evaluateSharded(
+    Trainer& trainer, Communicator& comm, const Dataset& data, int64_t batchSize, AmpMode amp,
+    int64_t sumCount,
+    const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& batchSums) {
   // Shares follow the current split (a slower rank evaluates fewer samples).
   const int world = comm.size();
-  const int rank = comm.rank();
-  std::vector<double> weight(static_cast<size_t>(world), 1.0);
-  if (const BatchPlan* plan = trainer.planner() ? &trainer.planner()->plan() : nullptr) {
-    for (int r = 0; r < world; ++r) {
-      weight[static_cast<size_t>(r)] = static_cast<double>(plan->local[static_cast<size_t>(r)]);
-    }
+  std::vector<double> before(static_cast<size_t>(world) + 1, 0.0);  // prefix sums of weights
+  for (int r = 0; r < world; ++r) {
+    const BatchPlanner* planner = trainer.planner();
+    const double w =
+        planner ? static_cast<double>(planner->plan().local[static_cast<size_t>(r)]) : 1.0;
+    before[static_cast<size_t>(r) + 1] = before[static_cast<size_t>(r)] + w;
   }
-  const double total = std::accumulate(weight.begin(), weight.end(), 0.0);
   const int64_t n = data.size();
   auto boundary = [&](int r) {
-    double before = 0;
-    for (int i = 0; i < r; ++i) {
-      before += weight[static_cast<size_t>(i)];
-    }
-    return r == world ? n : static_cast<int64_t>(std::floor(n * before / total));
+    return r == world
+               ? n
+               : static_cast<int64_t>(std::floor(static_cast<double>(n) *
+                                                 before[static_cast<size_t>(r)] / before.back()));
   };
-  const int64_t begin = boundary(rank);
-  const int64_t end = boundary(rank + 1);
+  const int64_t begin = boundary(comm.rank());
+  const int64_t end = boundary(comm.rank() + 1);
 
   const c10::Device device = comm.device();
-  std::vector<double> sums(sumCount, 0.0);
+  at::Tensor total = at::zeros({sumCount}, at::TensorOptions().dtype(at::kDouble).device(device));
   torch::NoGradGuard noGrad;
   trainer.ddp().module().eval();
   std::optional<AutocastGuard> autocast;
@@ -266,19 +288,30 @@ std::vector<double> evaluateSharded(Trainer& trainer, Communicator& comm, const 
       examples.push_back(data.get(i, rng));
     }
     Example batch = collate(examples);
-    accumulate(batch.input.to(device), batch.target.to(device), sums);
+    at::Tensor sums = batchSums(batch.input.to(device), batch.target.to(device));
+    HDDP_CHECK(sums.dim() == 1 && sums.size(0) == sumCount, "evaluateSharded: batchSums returned ",
+               sums.sizes(), ", expected [", sumCount, "]");
+    total += sums.to(at::kDouble);
   }
-  at::Tensor reduced = at::tensor(sums, at::kDouble).to(device);
-  comm.allreduce(reduced).wait();
-  reduced = reduced.cpu();
-  for (size_t i = 0; i < sumCount; ++i) {
-    sums[i] = reduced[static_cast<int64_t>(i)].item<double>();
-  }
-  return sums;
+  comm.allreduce(total).wait();
+  total = total.cpu();
+  return std::vector<double>(total.data_ptr<double>(), total.data_ptr<double>() + sumCount);
 }
 
 bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch) {
   return (epoch + 1) % flags.evalEvery == 0 || epoch + 1 == flags.epochs;
+}
+
+void installEvaluation(Trainer& trainer, const CommonFlags& flags,
+                       std::function<std::map<std::string, double>()> evaluate) {
+  trainer.setEvaluation([&trainer, flags, evaluate = std::move(evaluate)](
+                            int64_t epoch) -> std::map<std::string, double> {
+    const bool stopped = flags.maxSteps > 0 && trainer.step() >= flags.maxSteps;
+    if (!evaluateThisEpoch(flags, epoch) && !stopped) {
+      return {};  // the Trainer keeps the last evaluation
+    }
+    return evaluate();
+  });
 }
 
 int runMain(const char* program, const std::function<int()>& body) {

@@ -73,7 +73,7 @@ int applyThreads(const CommonFlags& flags, const DistributedContext& ctx);
 /// TrainerOptions from the flags (validated: a bad value throws hddp::ConfigError).
 TrainerOptions trainerOptions(const CommonFlags& flags, const DistributedContext& ctx);
 
-/// SGD (momentum, Nesterov, decoupled from nothing: weight decay as L2 in SGD) or AdamW.
+/// SGD with Nesterov momentum (weight decay as an L2 term) or AdamW (decoupled decay).
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::vector<at::Tensor>& parameters,
                                                        const CommonFlags& flags);
 
@@ -91,18 +91,34 @@ void installSchedule(Trainer& trainer, const CommonFlags& flags, int64_t trainSa
 std::shared_ptr<const Dataset> randomSubset(std::shared_ptr<const Dataset> base, int64_t count,
                                             uint64_t seed, int64_t skip = 0);
 
+/// A folder without a test set: a seeded random `fraction` of it for evaluation, read
+/// through `evalView` (the same files without augmentation), the rest from `train`.
+/// Returns {train, test}; throws hddp::ConfigError when either part would be empty.
+std::pair<std::shared_ptr<const Dataset>, std::shared_ptr<const Dataset>> holdOut(
+    std::shared_ptr<const Dataset> train, std::shared_ptr<const Dataset> evalView, double fraction,
+    uint64_t seed);
+
+/// --limit-train / --limit-test: seeded random subsets when smaller than the sets.
+void applyLimits(const CommonFlags& flags, std::shared_ptr<const Dataset>& train,
+                 std::shared_ptr<const Dataset>& test);
+
 /// Sharded evaluation: rank r evaluates its share of `data` (shares follow the
-/// trainer's current split, so a slower rank gets fewer samples), `accumulate` adds a
-/// batch's sums into `sums` (same length on every rank), one allreduce adds the ranks'
-/// sums. Returns the global sums. Runs under NoGrad, eval mode and the AMP mode.
+/// trainer's current split, so a slower rank gets fewer samples); `batchSums` returns a
+/// batch's sums as a 1-D tensor of `sumCount` values on the device. They are added on
+/// the device (no synchronisation per batch) and one allreduce adds the ranks' sums.
+/// Returns the global sums. Runs under NoGrad, eval mode and the AMP mode.
 std::vector<double> evaluateSharded(
     Trainer& trainer, Communicator& comm, const Dataset& data, int64_t batchSize, AmpMode amp,
-    size_t sumCount,
-    const std::function<void(const at::Tensor& input, const at::Tensor& target,
-                             std::vector<double>& sums)>& accumulate);
+    int64_t sumCount,
+    const std::function<at::Tensor(const at::Tensor& input, const at::Tensor& target)>& batchSums);
 
 /// True when this epoch (0-based) is evaluated under --eval-every (the last always is).
 bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch);
+
+/// Installs `evaluate` as the trainer's evaluation on the epochs --eval-every selects
+/// and at the end of a run that --max-steps stops inside an epoch.
+void installEvaluation(Trainer& trainer, const CommonFlags& flags,
+                       std::function<std::map<std::string, double>()> evaluate);
 
 /// Runs `body`, turning hddp errors into a message on stderr naming the problem and
 /// an exit status (2 for configuration or data errors, 1 otherwise).

@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
+#include <tuple>
 
 #include "example_common.h"
 #include "resnet.h"
@@ -103,12 +104,7 @@ Data loadData(const std::string& kind, std::string dir, const std::string& testD
           std::make_shared<hddp::ImageFolderDataset>(dir, static_cast<int>(channels), size);
       evalView->setTransform(evalT);
       train->setTransform(t);
-      const int64_t n = train->size();
-      const auto held = static_cast<int64_t>(static_cast<double>(n) * valFraction);
-      HDDP_CHECK_AS(hddp::ConfigError, held >= 1 && held < n, "--val-fraction ", valFraction,
-                    " of ", n, " images leaves no training or no validation images");
-      d.test = ex::randomSubset(evalView, held, seed, 0);
-      d.train = ex::randomSubset(train, n - held, seed, held);
+      std::tie(d.train, d.test) = ex::holdOut(train, evalView, valFraction, seed);
     }
   } else {  // synthetic
     const int size = static_cast<int>(imageSize > 0 ? imageSize : 28);
@@ -179,12 +175,7 @@ int run(int argc, char** argv) {
   torch::manual_seed(flags.seed);  // identical initial weights on every rank (DDP checks)
   Data d =
       loadData(dataset, data, testData, imageSize, channels, valFraction, flags.seed, !noAugment);
-  if (flags.limitTrain > 0 && flags.limitTrain < d.train->size()) {
-    d.train = ex::randomSubset(d.train, flags.limitTrain, flags.seed);
-  }
-  if (flags.limitTest > 0 && flags.limitTest < d.test->size()) {
-    d.test = ex::randomSubset(d.test, flags.limitTest, flags.seed + 7);
-  }
+  ex::applyLimits(flags, d.train, d.test);
 
   hddp::models::ResNetOptions mo;
   mo.arch = model;
@@ -210,27 +201,18 @@ int run(int argc, char** argv) {
   hddp::Trainer trainer(*ctx.communicator, net.ptr(), hddp::forwardOf(net), hddp::crossEntropy(),
                         *optimizer, d.train, options);
   ex::installSchedule(trainer, flags, d.train->size());
-  auto evaluate = [&]() -> std::map<std::string, double> {
-    auto sums = ex::evaluateSharded(
+  ex::installEvaluation(trainer, flags, [&]() -> std::map<std::string, double> {
+    namespace F = torch::nn::functional;
+    auto sums = ex::evaluateSharded(  // [loss sum, correct, samples]
         trainer, *ctx.communicator, *d.test, flags.evalBatch, options.amp, 3,
-        [&](const at::Tensor& x, const at::Tensor& y, std::vector<double>& s) {
+        [&](const at::Tensor& x, const at::Tensor& y) {
           auto logits = net->forward(x).to(at::kFloat);
-          s[0] += torch::nn::functional::cross_entropy(
-                      logits, y,
-                      torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                      .item<double>();
-          s[1] += logits.argmax(1).eq(y).sum().item<double>();
-          s[2] += static_cast<double>(y.size(0));
+          return torch::stack(
+              {F::cross_entropy(logits, y, F::CrossEntropyFuncOptions().reduction(torch::kSum)),
+               logits.argmax(1).eq(y).sum().to(at::kFloat),
+               torch::scalar_tensor(static_cast<double>(y.size(0)), logits.options())});
         });
     return {{"test_acc", sums[1] / sums[2]}, {"test_loss", sums[0] / sums[2]}};
-  };
-  trainer.setEvaluation([&](int64_t epoch) -> std::map<std::string, double> {
-    // Evaluated epochs, and the end of a run that --max-steps stops inside an epoch.
-    const bool stopped = flags.maxSteps > 0 && trainer.step() >= flags.maxSteps;
-    if (!ex::evaluateThisEpoch(flags, epoch) && !stopped) {
-      return {};
-    }
-    return evaluate();
   });
   auto summary = trainer.fit();
   if (ctx.rank() == 0) {

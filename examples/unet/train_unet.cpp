@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <tuple>
 
 #include "example_common.h"
 #include "unet.h"
@@ -123,20 +124,10 @@ int run(int argc, char** argv) {
       train = trainFolder;
       test = testFolder;
     } else {
-      const int64_t n = trainFolder->size();
-      const auto held = static_cast<int64_t>(static_cast<double>(n) * valFraction);
-      HDDP_CHECK_AS(hddp::ConfigError, held >= 1 && held < n, "--val-fraction ", valFraction,
-                    " of ", n, " images leaves no training or no validation images");
-      test = ex::randomSubset(make(data, false), held, flags.seed, 0);
-      train = ex::randomSubset(trainFolder, n - held, flags.seed, held);
+      std::tie(train, test) = ex::holdOut(trainFolder, make(data, false), valFraction, flags.seed);
     }
   }
-  if (flags.limitTrain > 0 && flags.limitTrain < train->size()) {
-    train = ex::randomSubset(train, flags.limitTrain, flags.seed);
-  }
-  if (flags.limitTest > 0 && flags.limitTest < test->size()) {
-    test = ex::randomSubset(test, flags.limitTest, flags.seed + 7);
-  }
+  ex::applyLimits(flags, train, test);
 
   hddp::models::UNetOptions mo;
   mo.inChannels = channels;
@@ -162,33 +153,31 @@ int run(int argc, char** argv) {
                         *optimizer, train, options);
   ex::installSchedule(trainer, flags, train->size());
   // Sums: loss, pixels, correct pixels, then per class: intersection, predicted, actual.
-  const size_t k = static_cast<size_t>(classes);
-  auto evaluate = [&]() -> std::map<std::string, double> {
+  const int64_t k = classes;
+  ex::installEvaluation(trainer, flags, [&]() -> std::map<std::string, double> {
+    namespace F = torch::nn::functional;
     auto s = ex::evaluateSharded(
         trainer, *ctx.communicator, *test, flags.evalBatch, options.amp, 3 + 3 * k,
-        [&](const at::Tensor& x, const at::Tensor& y, std::vector<double>& sums) {
+        [&](const at::Tensor& x, const at::Tensor& y) {
           auto logits = net->forward(x).to(at::kFloat);
-          sums[0] += torch::nn::functional::cross_entropy(
-                         logits, y,
-                         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                         .item<double>();
           auto pred = logits.argmax(1);
-          sums[1] += static_cast<double>(y.numel());
-          sums[2] += pred.eq(y).sum().item<double>();
-          for (size_t c = 0; c < k; ++c) {
-            auto p = pred.eq(static_cast<int64_t>(c));
-            auto t = y.eq(static_cast<int64_t>(c));
-            sums[3 + 3 * c] += p.logical_and(t).sum().item<double>();
-            sums[4 + 3 * c] += p.sum().item<double>();
-            sums[5 + 3 * c] += t.sum().item<double>();
-          }
+          auto ids = torch::arange(k, y.options()).view({k, 1});
+          auto p = pred.flatten().unsqueeze(0).eq(ids);  // [k, pixels]
+          auto t = y.flatten().unsqueeze(0).eq(ids);
+          auto perClass = torch::stack({p.logical_and(t).sum(1), p.sum(1), t.sum(1)}, 1);
+          return torch::cat(
+              {torch::stack({F::cross_entropy(logits, y,
+                                              F::CrossEntropyFuncOptions().reduction(torch::kSum)),
+                             torch::scalar_tensor(static_cast<double>(y.numel()), logits.options()),
+                             pred.eq(y).sum().to(at::kFloat)}),
+               perClass.flatten().to(at::kFloat)});
         });
     double iou = 0;
     double dice = 0;
     int counted = 0;
-    for (size_t c = 1; c < k; ++c) {  // foreground classes present in truth or prediction
-      const double inter = s[3 + 3 * c];
-      const double both = s[4 + 3 * c] + s[5 + 3 * c];
+    for (int64_t c = 1; c < k; ++c) {  // foreground classes present in truth or prediction
+      const double inter = s[static_cast<size_t>(3 + 3 * c)];
+      const double both = s[static_cast<size_t>(4 + 3 * c)] + s[static_cast<size_t>(5 + 3 * c)];
       if (both > 0) {
         iou += inter / (both - inter);
         dice += 2 * inter / both;
@@ -199,14 +188,6 @@ int run(int argc, char** argv) {
             {"pixel_acc", s[2] / s[1]},
             {"mean_iou", counted ? iou / counted : 0.0},
             {"dice", counted ? dice / counted : 0.0}};
-  };
-  trainer.setEvaluation([&](int64_t epoch) -> std::map<std::string, double> {
-    // Evaluated epochs, and the end of a run that --max-steps stops inside an epoch.
-    const bool stopped = flags.maxSteps > 0 && trainer.step() >= flags.maxSteps;
-    if (!ex::evaluateThisEpoch(flags, epoch) && !stopped) {
-      return {};
-    }
-    return evaluate();
   });
   auto summary = trainer.fit();
   if (ctx.rank() == 0 && summary.lastEvaluation.count("mean_iou")) {

@@ -176,6 +176,15 @@ TEST(ExampleTrainers, UnetOneRankLearnsAndReportsIoU) {
     EXPECT_TRUE(summary.contains(key)) << key << "\n" << r.output;
   }
   EXPECT_NE(r.output.find("mean IoU"), std::string::npos) << r.output;
+  // Per class Dice = 2 IoU / (1 + IoU) >= IoU; all are fractions.
+  const double iou = summary["mean_iou"].get<double>();
+  const double dice = summary["dice"].get<double>();
+  const double acc = summary["pixel_acc"].get<double>();
+  EXPECT_GE(dice, iou);
+  EXPECT_GE(iou, 0.0);
+  EXPECT_LE(dice, 1.0);
+  EXPECT_GT(acc, 0.0);
+  EXPECT_LE(acc, 1.0);
 }
 
 TEST(ExampleTrainers, UnetTwoRanksBf16CheckpointedLearns) {

@@ -90,6 +90,11 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
                  "DEMO ONLY: stretch ranks' compute, e.g. 1:3 (rank 1 three times slower)");
   app.add_option("--emulate-link-gbps", f.emulateLinkGbps,
                  "DEMO ONLY: limit ranks' input link, e.g. 1:2.8 (GB/s)");
+  app.add_option("--emulate-memory-cap", f.emulateMemoryCap,
+                 "DEMO ONLY: ranks run out of memory above this many samples, e.g. 1:40");
+  app.add_option("--max-local-batch", f.maxLocalBatch,
+                 "Memory caps: the most samples a rank may get per step, e.g. 1:40 or 0:96,1:40 "
+                 "(otherwise learned when a rank runs out of memory)");
   app.add_option("--seed", f.seed, "Seed of initialisation, shuffling and augmentation")
       ->capture_default_str();
   app.add_option("--limit-train", f.limitTrain, "Train on this many samples (0: all)")
@@ -135,7 +140,16 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   o.saveDir = f.saveDir;
   o.saveEvery = f.saveEvery;
   o.resume = f.resume;
-  if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty()) {
+  if (!f.maxLocalBatch.empty()) {
+    for (int r = 0; r < ctx.worldSize(); ++r) {
+      const double cap = parseRankValue("--max-local-batch", f.maxLocalBatch, r, 0.0);
+      HDDP_CHECK_AS(ConfigError, cap >= 0 && cap == static_cast<double>(static_cast<int64_t>(cap)),
+                    "--max-local-batch ", f.maxLocalBatch, ": rank ", r, "'s cap ", cap,
+                    " is not a whole number of samples");
+      o.maxLocalBatch.push_back(static_cast<int64_t>(cap));
+    }
+  }
+  if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty() || !f.emulateMemoryCap.empty()) {
     EmulationOptions e = emulationFromEnv(ctx.rank());  // flags override the environment
     if (!f.emulateSlowdown.empty()) {
       e.slowdown = parseRankValue("--emulate-slowdown", f.emulateSlowdown, ctx.rank(), 1.0);
@@ -143,6 +157,13 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
     if (!f.emulateLinkGbps.empty()) {
       e.linkBytesPerSecond =
           parseRankValue("--emulate-link-gbps", f.emulateLinkGbps, ctx.rank(), 0.0) * 1e9;
+    }
+    if (!f.emulateMemoryCap.empty()) {
+      const double cap = parseRankValue("--emulate-memory-cap", f.emulateMemoryCap, ctx.rank(), 0);
+      HDDP_CHECK_AS(ConfigError, cap >= 0 && cap == static_cast<double>(static_cast<int64_t>(cap)),
+                    "--emulate-memory-cap ", f.emulateMemoryCap,
+                    ": a cap is a whole number of samples");
+      e.memoryCapSamples = static_cast<int64_t>(cap);
     }
     o.emulation = e;
   }

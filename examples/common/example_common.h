@@ -56,6 +56,8 @@ struct CommonFlags {
   bool noBalance = false;
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
+  std::string emulateMemoryCap;
+  std::string maxLocalBatch;
   uint64_t seed = 0;
   int64_t limitTrain = 0;
   int64_t limitTest = 0;

@@ -1,5 +1,7 @@
 #include "hddp/balance/emulation.h"
 
+#include <c10/util/Exception.h>
+
 #include <sstream>
 #include <thread>
 
@@ -38,6 +40,12 @@ EmulationOptions emulationFromEnv(int rank) {
   o.linkBytesPerSecond = parseRankValue("HDDP_EMULATE_LINK_GBPS",
                                         env::getString("HDDP_EMULATE_LINK_GBPS"), rank, 0.0) *
                          1e9;
+  const double cap =
+      parseRankValue("HDDP_EMULATE_MEMORY_CAP", env::getString("HDDP_EMULATE_MEMORY_CAP"), rank, 0);
+  HDDP_CHECK_AS(ConfigError, cap >= 0 && cap == static_cast<double>(static_cast<int64_t>(cap)),
+                "HDDP_EMULATE_MEMORY_CAP for rank ", rank, " is ", cap,
+                "; a memory cap is a whole number of samples (0 = off)");
+  o.memoryCapSamples = static_cast<int64_t>(cap);
   HDDP_CHECK_AS(ConfigError, o.slowdown >= 1.0, "HDDP_EMULATE_SLOWDOWN for rank ", rank, " is ",
                 o.slowdown, "; a slowdown factor must be >= 1");
   HDDP_CHECK_AS(ConfigError, o.linkBytesPerSecond >= 0, "HDDP_EMULATE_LINK_GBPS for rank ", rank,
@@ -55,7 +63,18 @@ Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep)
                   options_.linkBytesPerSecond > 0
                       ? c10::str(", link ", options_.linkBytesPerSecond / 1e9, " GB/s")
                       : std::string(),
+                  options_.memoryCapSamples > 0
+                      ? c10::str(", out of memory above ", options_.memoryCapSamples, " samples")
+                      : std::string(),
                   " (for tests and demos; unset HDDP_EMULATE_* to turn it off)");
+  }
+}
+
+void Emulator::checkMemory(int64_t samples) const {
+  if (options_.memoryCapSamples > 0 && samples > options_.memoryCapSamples) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "emulated out of memory: ", samples,
+                     " samples in a step, above the emulated cap of ", options_.memoryCapSamples,
+                     " (HDDP_EMULATE_MEMORY_CAP / --emulate-memory-cap)");
   }
 }
 

@@ -3,12 +3,23 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <string>
 
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 
 namespace hddp {
 namespace {
+
+std::string describeCaps(const std::vector<int64_t>& caps) {
+  std::string text = "[";
+  for (size_t r = 0; r < caps.size(); ++r) {
+    text += (r ? ", " : "");
+    text += caps[r] == std::numeric_limits<int64_t>::max() ? "none" : std::to_string(caps[r]);
+  }
+  return text + "]";
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -87,6 +98,13 @@ BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const Bat
     }
   }
   BatchPlan candidate = solveWithMinimum(estimates, options.globalBatch, options.minLocalBatch);
+  bool breaksCap = current.local.size() != estimates.size();
+  for (size_t r = 0; r < estimates.size() && !breaksCap; ++r) {
+    breaksCap = current.local[r] > estimates[r].maxSamples;
+  }
+  if (breaksCap) {
+    return candidate;
+  }
   const double now = predictedSeconds(estimates, current.local);
   double threshold = options.hysteresis;
   for (double noise : relativeNoise) {
@@ -144,6 +162,66 @@ bool BatchPlanner::endStep() {
   }
   plan_ = next;
   return changed;
+}
+
+bool BatchPlanner::setMemoryCap(int rank, int64_t maxSamples) {
+  const int n = comm_.size();
+  HDDP_CHECK_AS(ConfigError, rank >= 0 && rank < n, "setMemoryCap: rank ", rank,
+                " is not in a group of ", n);
+  HDDP_CHECK_AS(ConfigError, maxSamples >= 0, "setMemoryCap: a memory cap of ", maxSamples,
+                " samples for rank ", rank, " is negative");
+  if (costs_.size() != static_cast<size_t>(n)) {
+    costs_.resize(static_cast<size_t>(n));
+  }
+  costs_[static_cast<size_t>(rank)].maxSamples = maxSamples;
+  // Plan from the last estimates; ranks not measured yet count as equally fast.
+  std::vector<RankCost> planning = costs_;
+  bool measured = true;
+  for (const auto& c : planning) {
+    measured = measured && c.secondsPerSample > 0;
+  }
+  if (!measured) {
+    for (auto& c : planning) {
+      c.secondsPerSample = 1.0;
+      c.fixedSeconds = 0.0;
+      c.bytesPerSample = 0.0;
+    }
+  }
+  HDDP_CHECK_AS(ConfigError, maxSamples >= options_.minLocalBatch, "rank ", rank, " can hold only ",
+                maxSamples, " samples, below the minimum share of ", options_.minLocalBatch,
+                " per rank (SyncBatchNorm needs a sample on every rank)");
+  int64_t capacity = 0;
+  bool unlimited = false;
+  for (const auto& c : planning) {
+    if (c.maxSamples == std::numeric_limits<int64_t>::max()) {
+      unlimited = true;
+      break;
+    }
+    capacity += c.maxSamples;
+  }
+  HDDP_CHECK_AS(ConfigError, unlimited || capacity >= options_.globalBatch,
+                "the ranks' memory caps ", describeCaps(memoryCaps()), " hold ", capacity,
+                " samples in all, fewer than the global batch ", options_.globalBatch,
+                ": lower the global batch, or save memory (AMP, activation checkpointing)");
+  BatchPlan next = solveWithMinimum(planning, options_.globalBatch, options_.minLocalBatch);
+  if (measured) {
+    next.predictedStepSeconds = predictedSeconds(costs_, next.local);
+  }
+  const bool changed = next.local != plan_.local;
+  if (changed) {
+    HDDP_LOG_INFO("balance", "step ", step_, ": rank ", rank, " capped at ", maxSamples,
+                  " samples; plan ", plan_.describe(), " -> ", next.describe());
+  }
+  plan_ = next;
+  return changed;
+}
+
+std::vector<int64_t> BatchPlanner::memoryCaps() const {
+  std::vector<int64_t> caps(static_cast<size_t>(comm_.size()), std::numeric_limits<int64_t>::max());
+  for (size_t r = 0; r < costs_.size() && r < caps.size(); ++r) {
+    caps[r] = costs_[r].maxSamples;
+  }
+  return caps;
 }
 
 BatchPlanner::State BatchPlanner::state() const {

@@ -198,6 +198,10 @@ class DistributedDataParallel::Impl {
     nextBucket_ = 0;
     stats_ = DdpStepStats{};
     stats_.buckets = static_cast<int>(buckets_.size());
+    abandonedLocally_ = false;
+    if (!buckets_.empty()) {
+      statusSlot().zero_();
+    }
     for (auto& p : params_) {
       p.ready = false;
     }
@@ -279,6 +283,48 @@ class DistributedDataParallel::Impl {
 
   // ---- end of step ----------------------------------------------------------------
 
+  // This rank could not finish the step (out of memory in forward or backward): send
+  // zeros for every gradient not yet sent, and a 1 in the status slot, so the step's
+  // collectives complete on every rank and every rank learns the step failed. False
+  // when it is too late (every bucket already sent).
+  bool abandonStep() {
+    HDDP_CHECK(!noSync_, "abandonStep() inside noSync(): nothing is being synchronized");
+    if (!stepActive_) {
+      beginStep();
+    }
+    if (nextBucket_ >= static_cast<int>(buckets_.size()) && !buckets_.empty()) {
+      return false;
+    }
+    abandoning_ = true;
+    abandonedLocally_ = true;
+    if (!buckets_.empty()) {
+      statusSlot().fill_(1);
+    }
+    try {
+      finalize();
+    } catch (...) {
+      abandoning_ = false;
+      throw;
+    }
+    abandoning_ = false;
+    return true;
+  }
+
+  bool lastStepAbandoned() {
+    if (buckets_.empty()) {
+      return abandonedLocally_;
+    }
+    // The slot holds the sum over ranks after the last bucket's allreduce.
+    return statusSlot().item<double>() > 0.5;
+  }
+
+  // The last element of the last bucket (launched last): 0 from every rank that
+  // finished the step, 1 from a rank that abandoned it; summed by the allreduce.
+  at::Tensor statusSlot() {
+    const at::Tensor& flat = buckets_.back().flat;
+    return flat.narrow(0, flat.numel() - 1, 1);
+  }
+
   void finalize() {
     HDDP_CHECK(!noSync_,
                "finalize() inside noSync(): gradients are only synchronized "
@@ -290,7 +336,7 @@ class DistributedDataParallel::Impl {
     std::vector<std::string> unused;
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!params_[i].ready) {
-        if (ranBackward) {
+        if (ranBackward && !abandoning_) {
           unused.push_back(params_[i].name);
         }
         markReady(static_cast<int>(i), /*duringBackward=*/false);
@@ -416,7 +462,9 @@ class DistributedDataParallel::Impl {
         total += params_[index].tensor.numel();
       }
       const at::Tensor& first = params_[b.params.front()].tensor;
-      b.flat = at::zeros({total}, first.options().requires_grad(false));
+      // The last bucket carries one more element: the step's status (abandonStep).
+      const int64_t status = bi + 1 == assignment.size() ? 1 : 0;
+      b.flat = at::zeros({total + status}, first.options().requires_grad(false));
     }
     // Move current gradients into the new buffers.
     std::vector<at::Tensor> oldGrads;
@@ -424,7 +472,11 @@ class DistributedDataParallel::Impl {
       oldGrads.push_back(p.tensor.grad().defined() ? p.tensor.grad().detach().clone()
                                                    : at::Tensor());
     }
+    at::Tensor status = buckets_.empty() ? at::Tensor() : statusSlot().clone();
     buckets_ = std::move(buckets);
+    if (status.defined() && !buckets_.empty()) {
+      statusSlot().copy_(status);  // a rebuild after an abandoned step keeps its status
+    }
     for (size_t bi = 0; bi < buckets_.size(); ++bi) {
       int64_t offset = 0;
       for (int index : buckets_[bi].params) {
@@ -539,6 +591,8 @@ class DistributedDataParallel::Impl {
   double weight_ = 1.0;
   bool noSync_ = false;
   bool stepActive_ = false;
+  bool abandoning_ = false;
+  bool abandonedLocally_ = false;
   int nextBucket_ = 0;
   size_t readyCount_ = 0;
   int64_t step_ = 0;
@@ -565,6 +619,8 @@ DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.impl_->setNoSync(previous_); }
 
 void DistributedDataParallel::finalize() { impl_->finalize(); }
+bool DistributedDataParallel::abandonStep() { return impl_->abandonStep(); }
+bool DistributedDataParallel::lastStepAbandoned() { return impl_->lastStepAbandoned(); }
 void DistributedDataParallel::syncBuffers() { impl_->syncBuffers(); }
 torch::nn::Module& DistributedDataParallel::module() { return *impl_->module_; }
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::modulePtr() const {

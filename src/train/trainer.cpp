@@ -1,6 +1,7 @@
 #include "hddp/train/trainer.h"
 
 #include <ATen/core/Generator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
@@ -8,12 +9,16 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <limits>
 #include <sstream>
+#include <utility>
 
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/state_file.h"
 #include "hddp/train/timeline.h"
 #include "train/metrics.h"
@@ -158,6 +163,10 @@ class Trainer::Impl {
     if (options_.balance) {
       planner_ = std::make_unique<BatchPlanner>(comm, po);
     }
+    applyGivenMemoryCaps();
+    for (const auto& module : model_->modules(/*include_self=*/true)) {
+      hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
+    }
     GradScalerOptions so = options_.scaler;
     so.enabled = options_.amp == AmpMode::Fp16;
     scaler_ = std::make_unique<GradScaler>(so, &comm);
@@ -180,6 +189,33 @@ class Trainer::Impl {
     try {
       loader_->stop();
     } catch (...) {
+    }
+  }
+
+  void applyGivenMemoryCaps() {
+    const auto& caps = options_.maxLocalBatch;
+    if (caps.empty()) {
+      return;
+    }
+    HDDP_CHECK_AS(ConfigError, static_cast<int>(caps.size()) == comm_.size(),
+                  "TrainerOptions::maxLocalBatch has ", caps.size(), " entries for ", comm_.size(),
+                  " ranks: give one per rank (0 = no cap)");
+    for (int r = 0; r < comm_.size(); ++r) {
+      const int64_t cap = caps[static_cast<size_t>(r)];
+      HDDP_CHECK_AS(ConfigError, cap >= 0, "TrainerOptions::maxLocalBatch for rank ", r, " is ",
+                    cap, ": use a number of samples, or 0 for no cap");
+      if (cap == 0) {
+        continue;
+      }
+      if (planner_) {
+        planner_->setMemoryCap(r, cap);
+      } else {
+        const int64_t share = equalSplit(comm_.size(), options_.globalBatch).local[r];
+        HDDP_CHECK_AS(ConfigError, share <= cap, "rank ", r, " can hold ", cap,
+                      " samples but its equal share of the global batch ", options_.globalBatch,
+                      " is ", share, ": turn balancing on (so the planner respects the cap) or ",
+                      "lower the global batch");
+      }
     }
   }
 
@@ -232,7 +268,9 @@ class Trainer::Impl {
           break;
         }
         timeline_.add("data wait", waitStart, Clock::now(), step_);
-        runStep(*batch);
+        if (!runStep(*batch)) {
+          continue;  // a rank ran out of memory: the step is repeated under a new split
+        }
         samples += batch->share.globalBatch;
         ++epochSteps;
         if (options_.saveEvery > 0 && step_ % options_.saveEvery == 0) {
@@ -286,6 +324,7 @@ class Trainer::Impl {
     summary.seconds = seconds(start, Clock::now());
     summary.samplesPerSecond = summary.seconds > 0 ? samples / summary.seconds : 0.0;
     summary.lastTrainLoss = lastEpochLoss_;
+    summary.repeatedSteps = repeatedSteps_;
     summary.lastEvaluation = lastEvaluation_;
     if (timeline_.enabled()) {
       timeline_.write(comm_, options_.timelinePath);
@@ -297,7 +336,8 @@ class Trainer::Impl {
                           {"epochs_completed", summary.epochsCompleted},
                           {"seconds", summary.seconds},
                           {"samples_per_s", summary.samplesPerSecond},
-                          {"train_loss", summary.lastTrainLoss}};
+                          {"train_loss", summary.lastTrainLoss},
+                          {"repeated_steps", summary.repeatedSteps}};
     for (const auto& [k, v] : lastEvaluation_) {
       record[k] = v;
     }
@@ -309,7 +349,9 @@ class Trainer::Impl {
     return summary;
   }
 
-  void runStep(const Batch& batch) {
+  // False when the step was abandoned (some rank ran out of memory): nothing was
+  // applied, and the loader serves the same samples again under the new split.
+  bool runStep(const Batch& batch) {
     const int64_t local = batch.share.localBatch;
     const int64_t global = batch.share.globalBatch;
     StepInfo info{step_, epoch_, batch.stepInEpoch, batch.stepInEpoch + loader_->stepsLeftInEpoch(),
@@ -331,21 +373,42 @@ class Trainer::Impl {
     optimizer_.zero_grad();
     at::Tensor loss;
     auto tForward = t0;
+    std::string outOfMemory;  // this rank's allocation failure, if any
     if (local > 0) {
-      {
-        std::optional<AutocastGuard> autocast;
-        if (options_.amp != AmpMode::Off) {
-          autocast.emplace(device_.type(),
-                           options_.amp == AmpMode::Bf16 ? at::kBFloat16 : at::kHalf);
+      try {
+        {
+          std::optional<AutocastGuard> autocast;
+          if (options_.amp != AmpMode::Off) {
+            autocast.emplace(device_.type(),
+                             options_.amp == AmpMode::Bf16 ? at::kBFloat16 : at::kHalf);
+          }
+          at::Tensor output = forward_(batch.input);
+          emulator_->checkMemory(local);
+          loss = loss_(output, batch.target);
         }
-        at::Tensor output = forward_(batch.input);
-        loss = loss_(output, batch.target);
+        tForward = Clock::now();
+        timeline_.add("forward", t0, tForward, step_, 0, local);
+        scaler_->scale(loss).backward();
+      } catch (const c10::OutOfMemoryError& e) {
+        if (!options_.recoverFromOutOfMemory || hasSyncBatchNorm_) {
+          throw;  // (SyncBatchNorm's collectives in forward cannot be matched)
+        }
+        outOfMemory = e.what_without_backtrace();
+        loss = at::Tensor();
       }
-      tForward = Clock::now();
-      timeline_.add("forward", t0, tForward, step_, 0, local);
-      scaler_->scale(loss).backward();
     } else {
       ddp_->finalize();  // no samples this step: contribute zeros, receive the others'
+    }
+    if (!outOfMemory.empty()) {
+      if (device_.type() != c10::kCPU) {
+        c10::getDeviceAllocator(device_.type())->emptyCache();
+      }
+      HDDP_CHECK(ddp_->abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
+                 "gradients were sent (", outOfMemory, "); this cannot be retried");
+    }
+    if (options_.recoverFromOutOfMemory && !hasSyncBatchNorm_ && ddp_->lastStepAbandoned()) {
+      recoverFromOutOfMemory(batch, outOfMemory, t0);
+      return false;
     }
     const auto tBackward = Clock::now();
     timeline_.add("backward", tForward, tBackward, step_, 0, local);
@@ -414,7 +477,78 @@ class Trainer::Impl {
     }
     progress_->step(epoch_, options_.epochs, batch.stepInEpoch, info.stepsPerEpoch, lossValue,
                     samplesPerSecond, extraText.str());
+    return true;
   }
+
+  // Some rank ran out of memory in this step (every rank gets here, after the step's
+  // collectives): learn the failing ranks' memory caps, re-plan, and rewind the loader
+  // so the same global batch is served again under the new split. Nothing was applied
+  // (no optimizer step), so no sample is lost or counted twice.
+  void recoverFromOutOfMemory(const Batch& batch, const std::string& mine, Clock::time_point t0) {
+    const int64_t local = batch.share.localBatch;
+    int64_t info[2] = {mine.empty() ? 0 : 1, local};
+    std::vector<uint8_t> bytes(sizeof(info));
+    std::memcpy(bytes.data(), info, sizeof(info));
+    const auto all = comm_.allgatherBytes(bytes);
+    std::vector<std::pair<int, int64_t>> failures;
+    for (size_t r = 0; r < all.size(); ++r) {
+      int64_t theirs[2];
+      HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(theirs), "bad failure report from rank ", r);
+      std::memcpy(theirs, all[r].data(), sizeof(theirs));
+      if (theirs[0] != 0) {
+        failures.emplace_back(static_cast<int>(r), theirs[1]);
+      }
+    }
+    HDDP_INTERNAL_ASSERT(!failures.empty(), "a step was abandoned but no rank reports a failure");
+    const BatchPlan before = currentPlan();
+    for (const auto& [r, b] : failures) {
+      HDDP_CHECK(planner_ != nullptr, "rank ", r, " ran out of memory with its equal share of ", b,
+                 " samples (balancing is off). Lower the global batch, use mixed precision or "
+                 "activation checkpointing, or turn balancing on so the planner gives that rank "
+                 "fewer samples.");
+      const int64_t floorShare = std::max<int64_t>(1, options_.planner.minLocalBatch);
+      HDDP_CHECK(b > floorShare, "rank ", r, " ran out of memory with ", b,
+                 " sample(s) in its step: the model does not fit on that device even at the "
+                 "smallest share. Use mixed precision or activation checkpointing, or leave the "
+                 "device out.");
+      // 10% below the failing size (at least one sample): a few retries at most find a
+      // size that fits, and fragmentation gets some room.
+      const int64_t cap = std::max(floorShare, b - std::max<int64_t>(1, b / 10));
+      planner_->setMemoryCap(r, cap);
+    }
+    ++repeatedSteps_;
+    std::ostringstream who;
+    for (const auto& [r, b] : failures) {
+      who << (who.tellp() > 0 ? ", " : "") << "rank " << r << " at " << b << " samples";
+    }
+    const BatchPlan after = currentPlan();
+    // Rank 0 and the failing ranks warn; the others note it.
+    const std::string message = c10::str(
+        "step ", step_ + 1, ": out of memory on ", who.str(),
+        mine.empty() ? std::string() : " (" + firstLine(mine) + ")", "; memory cap learned, split ",
+        before.describe(), " -> ", after.describe(), "; the step is repeated");
+    if (comm_.rank() == 0 || !mine.empty()) {
+      HDDP_LOG_WARN("train", message);
+    } else {
+      HDDP_LOG_INFO("train", message);
+    }
+    nlohmann::json record{{"kind", "out_of_memory"}, {"rank", comm_.rank()},
+                          {"epoch", epoch_},         {"step", step_ + 1},
+                          {"plan", before.local},    {"new_plan", after.local}};
+    nlohmann::json failed = nlohmann::json::array();
+    for (const auto& [r, b] : failures) {
+      failed.push_back({{"rank", r}, {"local_batch", b}});
+    }
+    record["failed"] = failed;
+    metrics_.write(record);
+    timeline_.add("out of memory, step repeated", t0, Clock::now(), step_);
+    DistributedSampler::State state = loader_->state();
+    state.position -= batch.share.globalBatch;
+    HDDP_INTERNAL_ASSERT(state.position >= 0, "rewinding the sampler before the epoch start");
+    loader_->resume(state, after);
+  }
+
+  static std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
 
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary) {
     // The epoch's mean training loss over every rank's samples.
@@ -521,6 +655,12 @@ class Trainer::Impl {
         }
         archive.write("planner_costs",
                       at::tensor(costs.empty() ? std::vector<double>{} : costs, at::kDouble));
+        // Memory caps (learned from out-of-memory steps or given); -1 = none.
+        std::vector<int64_t> caps;
+        for (int64_t cap : planner_->memoryCaps()) {
+          caps.push_back(cap == std::numeric_limits<int64_t>::max() ? -1 : cap);
+        }
+        archive.write("planner_caps", at::tensor(caps, at::kLong));
       }
       for (size_t r = 0; r < blobs.size(); ++r) {
         archive.write("rank" + std::to_string(r),
@@ -651,6 +791,16 @@ class Trainer::Impl {
           state.costs.push_back(c);
         }
       }
+      at::Tensor caps;
+      if (archive.try_read("planner_caps", caps) && caps.numel() == comm_.size()) {
+        state.costs.resize(static_cast<size_t>(comm_.size()));
+        for (int64_t i = 0; i < caps.numel(); ++i) {
+          const int64_t cap = caps[i].item<int64_t>();
+          if (cap >= 0) {
+            state.costs[static_cast<size_t>(i)].maxSamples = cap;
+          }
+        }
+      }
       planner_->restore(state);
     }
     resumed_ = true;
@@ -671,6 +821,8 @@ class Trainer::Impl {
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<PrefetchLoader> loader_;
   std::unique_ptr<Emulator> emulator_;
+  bool hasSyncBatchNorm_ = false;
+  int64_t repeatedSteps_ = 0;
   ScheduleFn schedule_;
   EvalFn evaluation_;
   Timeline timeline_;

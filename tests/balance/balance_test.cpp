@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
 #include <random>
 #include <set>
 
@@ -226,6 +227,46 @@ TEST(Planner, StateRestoresPlanStepAndWindow) {
     hddp::PlannerOptions other(64);
     hddp::BatchPlanner differentBatch(*comm, other);
     EXPECT_THROW(differentBatch.restore(state), hddp::ConfigError);
+  });
+}
+
+TEST(Planner, MemoryCapsBoundThePlanAndSurviveUpdates) {
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PlannerOptions o(64);
+    o.rebalanceEvery = 2;
+    hddp::BatchPlanner planner(*comm, o);
+    EXPECT_EQ(planner.plan().local, (std::vector<int64_t>{32, 32}));
+    // Before any measurement: as equal as the cap allows, at once (no hysteresis).
+    EXPECT_TRUE(planner.setMemoryCap(1, 20));
+    EXPECT_EQ(planner.plan().local, (std::vector<int64_t>{44, 20}));
+    EXPECT_EQ(planner.memoryCaps()[1], 20);
+    EXPECT_EQ(planner.memoryCaps()[0], std::numeric_limits<int64_t>::max());
+    // Rank 1 is measured 3x faster: it would take 48, the cap holds it at 20.
+    const double perSample = rank == 0 ? 0.03 : 0.01;
+    for (int step = 0; step < 6; ++step) {
+      planner.record(planner.localBatch(), planner.localBatch() * perSample);
+      planner.endStep();
+      EXPECT_LE(planner.plan().local[1], 20);
+    }
+    // A cap below the current share moves the plan at once, also after measurements.
+    EXPECT_TRUE(planner.setMemoryCap(1, 12));
+    EXPECT_EQ(planner.plan().local, (std::vector<int64_t>{52, 12}));
+    // Kept in the state.
+    hddp::BatchPlanner resumed(*comm, o);
+    resumed.restore(planner.state());
+    EXPECT_EQ(resumed.memoryCaps()[1], 12);
+    // Caps that cannot hold the global batch, and bad values, are clear errors.
+    try {
+      planner.setMemoryCap(0, 40);
+      ADD_FAILURE() << "caps of 40 + 12 accepted for a global batch of 64";
+    } catch (const hddp::ConfigError& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("fewer than the global batch 64"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+    EXPECT_THROW(planner.setMemoryCap(2, 10), hddp::ConfigError);
+    EXPECT_THROW(planner.setMemoryCap(0, -1), hddp::ConfigError);
   });
 }
 

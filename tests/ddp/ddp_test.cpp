@@ -394,6 +394,106 @@ TEST(Ddp, BuffersFollowRankZeroWithTheGradients) {
   });
 }
 
+// Throws c10::OutOfMemoryError in backward when `fail` is set, as a card out of memory
+// halfway through backward does.
+struct OomInBackward : torch::autograd::Function<OomInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               bool fail) {
+    ctx->saved_data["fail"] = fail;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK_WITH(OutOfMemoryError, !ctx->saved_data["fail"].toBool(),
+                     "test: out of memory in backward");
+    return {grads[0], torch::Tensor()};
+  }
+};
+
+// A rank that runs out of memory in forward or halfway through backward abandons the
+// step: every rank completes the step's collectives, every rank sees the step as
+// abandoned, and the repeated step under another split is exact.
+class Abandon : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(Abandon, EveryRankSeesItAndTheRepeatedStepIsExact) {
+  const int world = std::get<0>(GetParam());
+  const bool inBackward = std::get<1>(GetParam());
+  const int64_t B = 12;
+  torch::manual_seed(3);
+  Mlp reference;
+  Mlp initial;
+  copyParams(*reference, *initial);
+  const Data data = makeData(B, 42);
+  {
+    torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+    opt.zero_grad();
+    torch::cross_entropy_loss(reference->forward(data.x), data.y).backward();
+    opt.step();
+  }
+  std::vector<int> abandoned(world, -1);
+  std::vector<int> abandonedAfterRetry(world, -1);
+  std::vector<double> diffs(world, 1e9);
+  runThreads(world, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Mlp model;
+    if (rank == 0) {
+      copyParams(*initial, *model);
+    }
+    hddp::DdpOptions opts;
+    opts.firstBucketBytes = 256;  // fc3's gradients are sent before fc2's backward
+    opts.bucketCapBytes = 512;
+    hddp::DistributedDataParallel ddp(model, *comm, opts);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    auto run = [&](const std::vector<int64_t>& split, int failing) {
+      int64_t start = 0;
+      for (int r = 0; r < rank; ++r) {
+        start += split[r];
+      }
+      ddp.setBatch(split[rank], B);
+      opt.zero_grad();
+      auto x = data.x.narrow(0, start, split[rank]);
+      auto y = data.y.narrow(0, start, split[rank]);
+      try {
+        if (rank == failing && !inBackward) {
+          TORCH_CHECK_WITH(OutOfMemoryError, false, "test: out of memory in forward");
+        }
+        auto h = torch::tanh(model->fc2(torch::tanh(model->fc1(x))));
+        h = OomInBackward::apply(h, rank == failing);
+        torch::cross_entropy_loss(model->fc3(h), y).backward();
+      } catch (const c10::OutOfMemoryError&) {
+        EXPECT_EQ(rank, failing);
+        EXPECT_TRUE(ddp.abandonStep());
+      }
+      const bool gone = ddp.lastStepAbandoned();
+      if (!gone) {
+        opt.step();
+      }
+      return gone;
+    };
+    std::vector<int64_t> first(world, B / world);
+    abandoned[rank] = run(first, 1) ? 1 : 0;
+    std::vector<int64_t> second(world, 0);
+    second[0] = B - 2 * (world - 1);
+    for (int r = 1; r < world; ++r) {
+      second[r] = 2;  // the failing rank (1) gets less
+    }
+    abandonedAfterRetry[rank] = run(second, -1) ? 1 : 0;
+    diffs[rank] = maxDiff(*model, *reference);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(abandoned[r], 1) << "rank " << r << " did not see the abandoned step";
+    EXPECT_EQ(abandonedAfterRetry[r], 0) << "rank " << r;
+    EXPECT_LT(diffs[r], 1e-5) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WhereAndWorld, Abandon,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()),
+                         [](const auto& info) {
+                           return "world" + std::to_string(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_backward" : "_forward");
+                         });
+
 TEST(Ddp, BadBatchSizesAreRejected) {
   runThreads(1, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);

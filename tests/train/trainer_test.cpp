@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -383,6 +384,89 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
   EXPECT_GT(plans[0][0], 2 * plans[0][1]) << "plan [" << plans[0][0] << ", " << plans[0][1] << "]";
 }
 
+// Rank 1 "runs out of memory" above 20 samples (emulated: c10::OutOfMemoryError in
+// forward). Every rank abandons those steps together, rank 1's cap is learned, the
+// same samples are trained again under the new split, and the cap is kept in the state.
+TEST(Trainer, OutOfMemoryTeachesTheCapAndRepeatsTheStepWithoutLosingSamples) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::vector<hddp::TrainSummary> summaries(2);
+  std::vector<std::vector<int64_t>> caps(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model;
+    torch::optim::SGD opt(model->parameters(), 0.05);
+    hddp::TrainerOptions o;
+    o.globalBatch = 64;
+    o.epochs = 1;
+    o.progress = hddp::ProgressMode::Off;
+    o.metricsPath = dir + "/metrics.jsonl";
+    o.saveDir = dir + "/state";
+    hddp::EmulationOptions e;
+    e.memoryCapSamples = rank == 1 ? 20 : 0;
+    o.emulation = e;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(600, 1, 8, 4);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    summaries[rank] = trainer.fit();
+    hddp::Trainer resumed(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    resumed.load(o.saveDir);
+    caps[rank] = resumed.planner()->memoryCaps();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_GE(summaries[r].repeatedSteps, 1) << "rank " << r;
+    EXPECT_EQ(summaries[r].steps, 10) << "rank " << r << ": 600 samples in steps of 64";
+    ASSERT_EQ(caps[r].size(), 2u);
+    EXPECT_LE(caps[r][1], 20) << "rank " << r;
+    EXPECT_GE(caps[r][1], 17) << "rank " << r << ": learned 10% steps below the failing size";
+    EXPECT_EQ(caps[r][0], std::numeric_limits<int64_t>::max());
+  }
+  // Every sample trained exactly once: the steps' shares add up to the dataset, and
+  // no completed step gave rank 1 more than its cap.
+  int64_t trained = 0;
+  int outOfMemoryRecords = 0;
+  for (const char* name : {"metrics.jsonl", "metrics.rank1.jsonl"}) {
+    std::ifstream in(dir + "/" + name);
+    ASSERT_TRUE(in.good()) << name;
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (j.at("kind") == "step") {
+        trained += j.at("local_batch").get<int64_t>();
+        EXPECT_LE(j.at("plan")[1].get<int64_t>(), 20) << line;
+      } else if (j.at("kind") == "out_of_memory") {
+        ++outOfMemoryRecords;
+        EXPECT_EQ(j.at("failed")[0].at("rank"), 1) << line;
+      }
+    }
+  }
+  EXPECT_EQ(trained, 600);
+  EXPECT_EQ(outOfMemoryRecords, 2 * summaries[0].repeatedSteps);
+}
+
+// With the equal split an out-of-memory rank cannot get fewer samples: the error says
+// what to do, on every rank, and nobody hangs.
+TEST(Trainer, OutOfMemoryWithoutBalancingSaysWhatToDo) {
+  std::vector<std::string> errors(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    try {
+      trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+        hddp::EmulationOptions e;
+        e.memoryCapSamples = rank == 1 ? 8 : 0;
+        o.emulation = e;
+      });
+    } catch (const hddp::Error& e) {
+      errors[rank] = e.what_without_backtrace();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank 1 ran out of memory with its equal share of 12"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_NE(errors[r].find("turn balancing on"), std::string::npos) << errors[r];
+  }
+}
+
 TEST(Trainer, RefusesBadOptions) {
   runThreads(1, [&](int rank, int size, hddp::Store& store) {
     auto bad = [&](const std::function<void(hddp::TrainerOptions&)>& configure) {
@@ -398,6 +482,20 @@ TEST(Trainer, RefusesBadOptions) {
     EXPECT_NE(bad([](hddp::TrainerOptions& o) { o.saveEvery = 5; }).find("saveDir"),
               std::string::npos);
     EXPECT_NE(bad([](hddp::TrainerOptions& o) { o.keepLast = 0; }).find("keepLast"),
+              std::string::npos);
+    // Given memory caps: one per rank, and with the equal split the share must fit.
+    EXPECT_NE(bad([](hddp::TrainerOptions& o) {
+                o.maxLocalBatch = {8, 8};
+              }).find("maxLocalBatch has 2 entries for 1 ranks"),
+              std::string::npos);
+    EXPECT_NE(bad([](hddp::TrainerOptions& o) {
+                o.maxLocalBatch = {8};
+              }).find("equal share of the global batch 24 is 24"),
+              std::string::npos);
+    EXPECT_NE(bad([](hddp::TrainerOptions& o) {
+                o.balance = true;
+                o.maxLocalBatch = {8};
+              }).find("fewer than the global batch 24"),
               std::string::npos);
   });
   EXPECT_THROW(hddp::parseAmpMode("fp8"), hddp::ConfigError);

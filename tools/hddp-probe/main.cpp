@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "hddp/hddp.h"
@@ -174,11 +175,17 @@ int run(int argc, char** argv) {
     rankDevices.assign(static_cast<size_t>(std::max(1, cpuRanks)), c10::Device(c10::kCPU));
   }
   json ranks = json::array();
+  // One calibration per device: ranks sharing a device (CPU ranks) get the same speed,
+  // which a second timing under a different load would not give them.
+  std::map<std::string, double> calibrated;
   for (size_t r = 0; r < rankDevices.size(); ++r) {
     const auto& dev = rankDevices[r];
     hddp::RankCost c;
     const auto emulation = hddp::emulationFromEnv(static_cast<int>(r));
-    c.secondsPerSample = calibrate(dev, 64) * emulation.slowdown;
+    if (!calibrated.count(dev.str())) {
+      calibrated[dev.str()] = calibrate(dev, 64);
+    }
+    c.secondsPerSample = calibrated[dev.str()] * emulation.slowdown;
     for (const auto& j : devs) {
       if (j["device"] == dev.str() && j.contains("measured_link_Bps") && dev.is_cuda()) {
         c.linkBytesPerSecond = j["measured_link_Bps"].get<double>();
@@ -194,6 +201,9 @@ int run(int argc, char** argv) {
         if (d.device == dev)
           c.maxSamples = static_cast<int64_t>(0.8 * d.memoryBytes / (sampleMiB * (1 << 20)));
       }
+    }
+    if (emulation.memoryCapSamples > 0) {
+      c.maxSamples = std::min(c.maxSamples, emulation.memoryCapSamples);
     }
     costs.push_back(c);
     ranks.push_back({{"rank", r},

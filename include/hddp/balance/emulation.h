@@ -5,6 +5,8 @@
 //
 //   HDDP_EMULATE_SLOWDOWN=1:3        rank 1 computes 3x slower ("2.0" alone: every rank)
 //   HDDP_EMULATE_LINK_GBPS=1:2.8     rank 1's input link carries 2.8 GB/s
+//   HDDP_EMULATE_MEMORY_CAP=1:40     rank 1 runs out of memory (c10::OutOfMemoryError)
+//                                    when given more than 40 samples in a step
 #pragma once
 
 #include <chrono>
@@ -19,10 +21,13 @@ struct EmulationOptions {
   double slowdown = 1.0;
   /// Emulated link bandwidth in bytes/s; 0 = off.
   double linkBytesPerSecond = 0.0;
-  bool active() const { return slowdown != 1.0 || linkBytesPerSecond > 0; }
+  /// Largest local batch that "fits"; a larger one throws c10::OutOfMemoryError in the
+  /// forward pass, as a card out of memory does. 0 = off.
+  int64_t memoryCapSamples = 0;
+  bool active() const { return slowdown != 1.0 || linkBytesPerSecond > 0 || memoryCapSamples > 0; }
 };
 
-/// This rank's emulation from HDDP_EMULATE_SLOWDOWN / HDDP_EMULATE_LINK_GBPS; throws
+/// This rank's emulation from HDDP_EMULATE_SLOWDOWN / _LINK_GBPS / _MEMORY_CAP; throws
 /// hddp::ConfigError on malformed values.
 EmulationOptions emulationFromEnv(int rank);
 
@@ -40,6 +45,8 @@ class Emulator {
   /// After a step that computed for `computeSeconds` and moved `bytesMoved` input
   /// bytes: sleeps the emulated extra time and returns the emulated compute seconds.
   double apply(double computeSeconds, int64_t bytesMoved);
+  /// Throws c10::OutOfMemoryError when `samples` exceed the emulated memory cap.
+  void checkMemory(int64_t samples) const;
 
  private:
   EmulationOptions options_;

@@ -61,6 +61,15 @@ class BatchPlanner {
 
   /// The per-rank costs behind the last plan update (for metrics and hddp-probe).
   const std::vector<RankCost>& costs() const { return costs_; }
+
+  /// Caps `rank`'s share at `maxSamples` (memory: learned from an allocation failure,
+  /// or given) and re-plans at once, without hysteresis, from the last estimates (an
+  /// equal cost per sample before any). Every rank must make the same calls. Throws
+  /// hddp::ConfigError when the caps can no longer hold the global batch. Returns
+  /// true when the plan changed.
+  bool setMemoryCap(int rank, int64_t maxSamples);
+  /// Each rank's memory cap (std::numeric_limits<int64_t>::max() = none).
+  std::vector<int64_t> memoryCaps() const;
   int64_t step() const { return step_; }
 
   /// Everything needed to resume the planner at the same step (the Trainer's state
@@ -78,7 +87,8 @@ class BatchPlanner {
 
   /// The planning rule itself, without communication: the plan all ranks derive from
   /// `estimates` (and each rank's relative noise, e.g. MAD/median of its window), given
-  /// the current plan. Public for tests and tools.
+  /// the current plan. A current plan that breaks a cap is always replaced. Public for
+  /// tests and tools.
   static BatchPlan choose(const std::vector<RankCost>& estimates, const BatchPlan& current,
                           const PlannerOptions& options,
                           const std::vector<double>& relativeNoise = {});

@@ -149,6 +149,19 @@ class DistributedDataParallel {
   /// step (b_i = 0): it then contributes zero gradients. A no-op when already done.
   void finalize();
 
+  /// For a rank that cannot finish its forward or backward in this step (it ran out of
+  /// memory): sends zeros for the gradients it has not sent and marks the step as
+  /// abandoned, so the step's collectives complete on every rank. Call it after the
+  /// failed forward/backward, instead of finalize(). Returns false when it came too
+  /// late (every gradient was already sent); the step then stands as it is.
+  bool abandonStep();
+  /// True on every rank when some rank abandoned the last synchronized step: its
+  /// gradients are then incomplete and the optimizer step must be skipped (the Trainer
+  /// repeats the step under a smaller share). The status travels in the last bucket's
+  /// allreduce (one extra element), so this costs no extra collective; reading it waits
+  /// for the device.
+  bool lastStepAbandoned();
+
   /// Broadcasts buffers from rank 0 now (BufferSync::BeforeForward: before forward).
   void syncBuffers();
 

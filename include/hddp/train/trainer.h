@@ -27,6 +27,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/emulation.h"
@@ -103,8 +104,19 @@ struct TrainerOptions {
   /// Resume from a state file, or from the newest valid one in a directory; "" = start
   /// fresh. Default "".
   std::string resume;
+  /// Memory caps given per rank: the most samples rank r may get in a step (0 = no
+  /// cap); empty = none. With balancing the planner keeps every share within its cap;
+  /// with the equal split a share above its cap is a ConfigError.
+  std::vector<int64_t> maxLocalBatch;
+  /// When a rank runs out of device memory (c10::OutOfMemoryError) in forward or
+  /// backward, every rank abandons the step together, the failing rank's memory cap is
+  /// set 10% below the share that failed, the planner re-splits the batch and the same
+  /// samples are trained again: nothing is applied twice or lost. The caps are kept in
+  /// state files. Needs balancing (with the equal split the error says what to do);
+  /// not with SyncBatchNorm, whose collectives run in forward. Default true.
+  bool recoverFromOutOfMemory = true;
   /// Heterogeneity emulation (tests, demos); default: HDDP_EMULATE_SLOWDOWN /
-  /// HDDP_EMULATE_LINK_GBPS of the environment.
+  /// HDDP_EMULATE_LINK_GBPS / HDDP_EMULATE_MEMORY_CAP of the environment.
   std::optional<EmulationOptions> emulation;
 
   static PlannerOptions defaultPlannerOptions() {
@@ -131,6 +143,7 @@ struct TrainSummary {
   double seconds = 0;
   double samplesPerSecond = 0;  // global samples / s over this fit()
   double lastTrainLoss = 0;     // the last epoch's mean loss over all ranks' samples
+  int64_t repeatedSteps = 0;    // steps abandoned and repeated after running out of memory
   std::map<std::string, double> lastEvaluation;
   std::string lastStateFile;
 };

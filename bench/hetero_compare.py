@@ -5,7 +5,8 @@
 emulated --slowdown times slower (HDDP_EMULATE_SLOWDOWN, announced in its log). All in
 one run:
   - ideal: both ranks alone at once (no communication), the sum of their samples/s;
-  - equal split and planner: global samples/s as a fraction of the ideal;
+  - equal split and planner: global samples/s as a fraction of the ideal; --rounds
+    rounds of the three back to back, each against its own ideal, median reported;
   - adaptation: planner run in which rank 1's slowdown halves at --change-at; steps until
     rank 1's share is within 5% of the best share B/(k+1) (equal base speeds), and
     whether the share moves again afterwards (oscillation);
@@ -66,6 +67,7 @@ def main():
     p.add_argument("--global-batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--change-at", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3, help="solo/equal/planner rounds; the median fraction is reported")
     p.add_argument("--svg", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -74,16 +76,29 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1", HDDP_LOG_LEVEL="warn", HDDP_EMULATE_SLOWDOWN="1:%g" % a.slowdown)
     B, k = a.global_batch, a.slowdown
     common = ["--global-batch", str(B), "--steps", str(a.steps)]
-    _, solo = run(launcher, bench, "solo", common, env)
-    ideal = sum(r["solo_samples_per_s"] for r in solo)
-    _, equal = run(launcher, bench, "equal", common, env)
-    plan_steps, planner = run(launcher, bench, "planner", common, env)
-    eq = equal[0]["global_samples_per_s"] / ideal
-    pl = planner[0]["global_samples_per_s"] / ideal
-    print(f"2 CPU ranks, ResNet-20 28x28, global batch {B}, rank 1 emulated {k:g}x slower, {a.steps} steps")
-    print(f"  ideal (solo, at once): {ideal:.1f} samples/s  (rank 0 {solo[0]['solo_samples_per_s']:.1f}, rank 1 {solo[1]['solo_samples_per_s']:.1f})")
-    print(f"  equal split:  {equal[0]['global_samples_per_s']:.1f} samples/s = {eq:.3f} of ideal (theory 2/(k+1) = {2 / (k + 1):.3f})")
-    print(f"  hddp planner: {planner[0]['global_samples_per_s']:.1f} samples/s = {pl:.3f} of ideal; final split {plan_steps[-1]['local']}")
+    # Rounds of solo, equal, planner back to back: each round's fractions use its own
+    # ideal, so a slow spell of this shared machine moves a round, not the median.
+    rounds = []
+    for i in range(a.rounds):
+        _, solo = run(launcher, bench, "solo", common, env)
+        ideal = sum(r["solo_samples_per_s"] for r in solo)
+        _, equal = run(launcher, bench, "equal", common, env)
+        plan_steps, planner = run(launcher, bench, "planner", common, env)
+        rounds.append({"ideal": ideal, "solo": [r["solo_samples_per_s"] for r in solo],
+                       "equal": equal[0]["global_samples_per_s"], "planner": planner[0]["global_samples_per_s"],
+                       "equal_fraction": equal[0]["global_samples_per_s"] / ideal,
+                       "planner_fraction": planner[0]["global_samples_per_s"] / ideal,
+                       "final_split": plan_steps[-1]["local"]})
+    median = lambda v: sorted(v)[len(v) // 2]
+    eq = median([r["equal_fraction"] for r in rounds])
+    pl = median([r["planner_fraction"] for r in rounds])
+    print(f"2 CPU ranks, ResNet-20 28x28, global batch {B}, rank 1 emulated {k:g}x slower, {a.steps} steps, {a.rounds} round(s)")
+    for i, r in enumerate(rounds):
+        print(f"  round {i + 1}: ideal (solo, at once) {r['ideal']:.1f} samples/s (rank 0 {r['solo'][0]:.1f}, rank 1 {r['solo'][1]:.1f}); "
+              f"equal {r['equal']:.1f} = {r['equal_fraction']:.3f}; planner {r['planner']:.1f} = {r['planner_fraction']:.3f}, "
+              f"final split {r['final_split']}")
+    print(f"  equal split:  median {eq:.3f} of ideal (theory 2/(k+1) = {2 / (k + 1):.3f})")
+    print(f"  hddp planner: median {pl:.3f} of ideal")
     # Adaptation: rank 1's slowdown k -> k/2 at change_at.
     total = a.change_at + a.steps
     adapt_steps, _ = run(launcher, bench, "planner", ["--global-batch", str(B), "--steps", str(total),
@@ -111,7 +126,7 @@ def main():
         print(f"  chart: {a.svg}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"ideal": ideal, "equal_fraction": eq, "planner_fraction": pl, "steps_to_within_5pct": within,
+            json.dump({"rounds": rounds, "equal_fraction": eq, "planner_fraction": pl, "steps_to_within_5pct": within,
                        "after_settling": changes_after, "adaptation": adapt_steps}, f, indent=1)
 
 

@@ -1,6 +1,7 @@
 #include "hddp/balance/planner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -121,6 +122,7 @@ BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const Bat
 
 bool BatchPlanner::endStep() {
   ++step_;
+  lastExchangeSeconds_ = 0.0;
   const int64_t first =
       options_.calibrationSteps > 0 ? options_.calibrationSteps : options_.rebalanceEvery;
   if (step_ < first || (step_ - first) % options_.rebalanceEvery != 0) {
@@ -140,7 +142,10 @@ bool BatchPlanner::endStep() {
   }
   std::vector<uint8_t> bytes(sizeof(mine));
   std::memcpy(bytes.data(), mine, sizeof(mine));
+  const auto exchangeStart = std::chrono::steady_clock::now();
   const auto all = comm_.allgatherBytes(bytes);
+  lastExchangeSeconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - exchangeStart).count();
   std::vector<RankCost> estimates(all.size());
   std::vector<double> noise(all.size());
   for (size_t r = 0; r < all.size(); ++r) {

@@ -438,7 +438,11 @@ class Trainer::Impl {
     bool replanned = false;
     if (planner_) {
       planner_->record(local, compute);
+      const auto p0 = Clock::now();
       replanned = planner_->endStep();
+      if (planner_->lastExchangeSeconds() > 0) {
+        timeline_.add("plan exchange", p0, Clock::now(), step_, 1);
+      }
       if (replanned) {
         loader_->setPlan(planner_->plan());
       }
@@ -468,6 +472,9 @@ class Trainer::Impl {
                           {"plan", batch.share.plan.local}};
     if (replanned) {
       record["new_plan"] = planner_->plan().local;
+    }
+    if (planner_ && planner_->lastExchangeSeconds() > 0) {
+      record["plan_exchange_s"] = planner_->lastExchangeSeconds();
     }
     metrics_.write(record);
     std::ostringstream extraText;

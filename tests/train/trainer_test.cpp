@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -362,6 +363,7 @@ TEST(Trainer, LearnsAndWritesMetricsAndTimeline) {
 
 TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
   std::vector<std::vector<int64_t>> plans(2);
+  const std::string dir = hddp::testing::makeTempDir();
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
     Net model;
@@ -371,6 +373,7 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
     o.maxSteps = 12;
     o.progress = hddp::ProgressMode::Off;
     o.planner.rebalanceEvery = 3;
+    o.timelinePath = dir + "/timeline.json";
     hddp::EmulationOptions slow;
     slow.slowdown = rank == 1 ? 4.0 : 1.0;
     o.emulation = slow;
@@ -382,6 +385,17 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
   });
   EXPECT_EQ(plans[0], plans[1]);  // every rank derived the same plan
   EXPECT_GT(plans[0][0], 2 * plans[0][1]) << "plan [" << plans[0][0] << ", " << plans[0][1] << "]";
+  // The planner's allgathers (after the 3 calibration steps, then every 3) are on the
+  // communication track of the timeline, for every rank.
+  std::ifstream in(dir + "/timeline.json");
+  auto trace = nlohmann::json::parse(in);
+  std::map<int, int> exchanges;
+  for (const auto& e : trace.at("traceEvents")) {
+    if (e.at("ph") == "X" && e.at("name") == "plan exchange") {
+      ++exchanges[e.at("pid").get<int>()];
+    }
+  }
+  EXPECT_EQ(exchanges, (std::map<int, int>{{0, 4}, {1, 4}}));
 }
 
 // Rank 1 "runs out of memory" above 20 samples (emulated: c10::OutOfMemoryError in

@@ -61,6 +61,9 @@ class BatchPlanner {
 
   /// The per-rank costs behind the last plan update (for metrics and hddp-probe).
   const std::vector<RankCost>& costs() const { return costs_; }
+  /// Seconds the last endStep() spent exchanging estimates (its allgather); 0 when
+  /// that step exchanged nothing.
+  double lastExchangeSeconds() const { return lastExchangeSeconds_; }
 
   /// Caps `rank`'s share at `maxSamples` (memory: learned from an allocation failure,
   /// or given) and re-plans at once, without hysteresis, from the last estimates (an
@@ -100,6 +103,7 @@ class BatchPlanner {
   std::vector<RankCost> costs_;
   std::deque<double> secondsPerSample_;
   int64_t step_ = 0;
+  double lastExchangeSeconds_ = 0.0;
 };
 
 }  // namespace hddp

@@ -113,7 +113,9 @@ struct TrainerOptions {
   /// set 10% below the share that failed, the planner re-splits the batch and the same
   /// samples are trained again: nothing is applied twice or lost. The caps are kept in
   /// state files. Needs balancing (with the equal split the error says what to do);
-  /// not with SyncBatchNorm, whose collectives run in forward. Default true.
+  /// not with SyncBatchNorm, whose collectives run in forward. Reading the step's
+  /// status waits for the device once per step, between backward and the optimizer
+  /// step (free on CPU); set false to drop that on cards that have room. Default true.
   bool recoverFromOutOfMemory = true;
   /// Heterogeneity emulation (tests, demos); default: HDDP_EMULATE_SLOWDOWN /
   /// HDDP_EMULATE_LINK_GBPS / HDDP_EMULATE_MEMORY_CAP of the environment.

@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   double changeTo = 1.0;
   int rebalanceEvery = 5;
   bool emulateSleep = false;
+  bool trace = false;
   CLI::App app{"heterogeneous data-parallel throughput (emulated unlike ranks)"};
   app.add_option("--mode", mode, "equal, planner or solo")
       ->check(CLI::IsMember({"equal", "planner", "solo"}));
@@ -36,6 +37,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--emulate-sleep", emulateSleep,
                "Spend the emulated extra time sleeping instead of spinning");
+  app.add_flag("--trace", trace,
+               "Every rank prints one JSON line per step: emulated, compute, wait and "
+               "communication seconds (where a step's time goes)");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);
   const int rank = std::getenv("RANK") ? std::atoi(std::getenv("RANK")) : 0;
@@ -96,8 +100,8 @@ int main(int argc, char** argv) {
                                                  : planner->localBatch());
     const auto t0 = Clock::now();
     // Emulation before the gradients are communicated (a slower card computes longer).
-    const double extra = emulator.apply(perSample * static_cast<double>(local), 0) -
-                         perSample * static_cast<double>(local);
+    double extra = emulator.apply(perSample * static_cast<double>(local), 0) -
+                   perSample * static_cast<double>(local);
     const auto t1 = Clock::now();
     if (ddp) {
       ddp->setBatch(local, globalBatch);
@@ -114,6 +118,11 @@ int main(int argc, char** argv) {
     const auto t2 = Clock::now();
     const double wait = ddp ? ddp->lastStepStats().waitSeconds : 0.0;
     const double raw = std::chrono::duration<double>(t2 - t1).count() - wait;
+    if (perSample == 0 && local > 0) {
+      // First step: no estimate to stretch beforehand, so stretch it now (as the Trainer
+      // does), and the planner's calibration sees the emulated speed from the start.
+      extra = emulator.apply(raw, 0) - raw;
+    }
     if (local > 0) {
       perSample = raw / static_cast<double>(local);
     }
@@ -124,6 +133,16 @@ int main(int argc, char** argv) {
     if (planner) {
       planner->record(local, emulatedCompute);
       planner->endStep();
+    }
+    if (trace) {
+      const auto* stats = ddp ? &ddp->lastStepStats() : nullptr;
+      std::printf(
+          "{\"kind\": \"trace\", \"mode\": \"%s\", \"rank\": %d, \"step\": %d, \"local\": "
+          "%lld, \"emulated_s\": %.6f, \"compute_s\": %.6f, \"wait_s\": %.6f, "
+          "\"communication_s\": %.6f, \"step_s\": %.6f}\n",
+          mode.c_str(), rank, step, static_cast<long long>(local), extra, raw, wait,
+          stats ? stats->communicationSeconds : 0.0,
+          std::chrono::duration<double>(Clock::now() - t0).count());
     }
     if (rank == 0 && s >= warmup && mode != "solo") {
       std::printf("{\"kind\": \"step\", \"mode\": \"%s\", \"step\": %d, \"local\": [", mode.c_str(),

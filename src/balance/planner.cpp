@@ -120,11 +120,14 @@ BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const Bat
   return kept;
 }
 
+int64_t BatchPlanner::firstUpdate() const {
+  return options_.calibrationSteps > 0 ? options_.calibrationSteps : options_.rebalanceEvery;
+}
+
 bool BatchPlanner::endStep() {
   ++step_;
   lastExchangeSeconds_ = 0.0;
-  const int64_t first =
-      options_.calibrationSteps > 0 ? options_.calibrationSteps : options_.rebalanceEvery;
+  const int64_t first = firstUpdate();
   if (step_ < first || (step_ - first) % options_.rebalanceEvery != 0) {
     return false;
   }
@@ -159,7 +162,23 @@ bool BatchPlanner::endStep() {
     }
   }
   costs_ = estimates;
-  BatchPlan next = choose(estimates, plan_, options_, noise);
+  bool allMeasured = true;
+  for (const auto& c : estimates) {
+    allMeasured = allMeasured && c.secondsPerSample > 0;
+  }
+  BatchPlan next;
+  if (!measured_ && allMeasured) {
+    // The first plan from measurements (the calibration): the plan it replaces was a
+    // guess (equal split or topology), not a measured choice, so neither hysteresis nor
+    // the noise of a short, cold window holds it back.
+    PlannerOptions calibration = options_;
+    calibration.hysteresis = 0.0;
+    calibration.noiseMultiplier = 0.0;
+    next = choose(estimates, plan_, calibration);
+    measured_ = true;
+  } else {
+    next = choose(estimates, plan_, options_, noise);
+  }
   const bool changed = next.local != plan_.local;
   if (changed) {
     HDDP_LOG_INFO("balance", "step ", step_, ": plan ", plan_.describe(), " -> ", next.describe(),
@@ -248,6 +267,10 @@ void BatchPlanner::restore(const State& state) {
     secondsPerSample_.pop_front();
   }
   costs_ = state.costs;
+  measured_ = step_ >= firstUpdate() && static_cast<int>(costs_.size()) == comm_.size();
+  for (const auto& c : costs_) {
+    measured_ = measured_ && c.secondsPerSample > 0;
+  }
   HDDP_LOG_INFO("balance", "resumed at step ", step_, " with plan ", plan_.describe());
 }
 

@@ -431,6 +431,13 @@ class Trainer::Impl {
       timeline_.add("allreduce", bucket.launched, bucket.completed, step_, 1, bucket.bytes);
     }
     const double raw = std::max(0.0, seconds(t0, tEnd) - stats.waitSeconds);
+    if (emulator_->active() && rawGuess == 0 && local > 0) {
+      // No estimate before this (first) step: stretch it now, after the fact, so the
+      // planner's calibration sees the emulated speed from the first step on.
+      const auto e0 = Clock::now();
+      extra += emulator_->apply(raw, 0) - raw;
+      timeline_.add("emulated delay", e0, Clock::now(), step_);
+    }
     if (local > 0) {
       perSample_ = raw / static_cast<double>(local);
     }

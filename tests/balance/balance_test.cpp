@@ -198,6 +198,49 @@ TEST(Planner, AllRanksDeriveTheSamePlanFromMeasurements) {
       << plans[0][0] << " " << plans[0][1] << " " << plans[0][2];
 }
 
+TEST(Planner, CalibrationAdoptsTheMeasuredSplitDespiteAColdNoisyWindow) {
+  // A short calibration is noisy (first-step allocation, caches): rank 1's three steps
+  // measure 0.01, 0.05 and 0.03 s/sample (relative spread 0.67). Hysteresis with that
+  // noise would keep the equal split for good; the calibration replaces a guess, so the
+  // solver's split is adopted, and only later updates are held back by the noise.
+  std::vector<std::vector<int64_t>> calibrated(2), later(2), resumed(2);
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PlannerOptions o(128);
+    o.calibrationSteps = 3;
+    o.rebalanceEvery = 3;
+    hddp::BatchPlanner planner(*comm, o);
+    const double cold[2][3] = {{0.02, 0.01, 0.01}, {0.01, 0.05, 0.03}};
+    for (int step = 0; step < 3; ++step) {
+      planner.record(planner.localBatch(), planner.localBatch() * cold[rank][step]);
+      const bool changed = planner.endStep();
+      EXPECT_EQ(changed, step == 2) << "step " << step;
+    }
+    calibrated[rank] = planner.plan().local;
+    const auto state = planner.state();
+    // Then rank 1 measures 0.04, 0.015, 0.035: its median moves to 0.035 s/sample
+    // ([100, 28] would be 11% faster), inside its noise (threshold 43%): the plan holds.
+    const double settled[2][3] = {{0.01, 0.01, 0.01}, {0.04, 0.015, 0.035}};
+    for (int step = 0; step < 3; ++step) {
+      planner.record(planner.localBatch(), planner.localBatch() * settled[rank][step]);
+      planner.endStep();
+    }
+    later[rank] = planner.plan().local;
+    // A planner resumed after its calibration keeps applying the noise threshold.
+    hddp::BatchPlanner restored(*comm, o);
+    restored.restore(state);
+    for (int step = 0; step < 3; ++step) {
+      restored.record(restored.localBatch(), restored.localBatch() * settled[rank][step]);
+      restored.endStep();
+    }
+    resumed[rank] = restored.plan().local;
+  });
+  EXPECT_EQ(calibrated[0], (std::vector<int64_t>{96, 32}));
+  EXPECT_EQ(calibrated[1], calibrated[0]);
+  EXPECT_EQ(later[0], calibrated[0]);
+  EXPECT_EQ(resumed[0], calibrated[0]);
+}
+
 TEST(Planner, StateRestoresPlanStepAndWindow) {
   hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);

@@ -7,10 +7,10 @@
 // median seconds per sample over its last `window` steps (robust to outliers); the
 // solver equalises predicted times, and since it re-measures at the sizes actually
 // used, it converges on equal measured times even when cost per sample depends on the
-// batch size. Hysteresis: a new plan is adopted only when it improves the predicted
-// step time by more than `hysteresis` (relative), so the split does not oscillate on
-// noise; a rank whose speed changes (a throttling enclosure) moves the split within
-// about window + rebalanceEvery steps.
+// batch size. Hysteresis: once a plan comes from measurements, a new plan is adopted
+// only when it improves the predicted step time by more than `hysteresis` (relative)
+// and by more than the measured noise, so the split does not oscillate on noise; a rank whose speed
+// changes (a throttling enclosure) moves the split within about window + rebalanceEvery steps.
 #pragma once
 
 #include <deque>
@@ -27,7 +27,9 @@ struct PlannerOptions {
   /// Steps between plan updates. Default 10.
   int rebalanceEvery = 10;
   /// Warm start: the first plan update after this many (calibration) steps, then
-  /// every rebalanceEvery. Default 0 = after rebalanceEvery steps.
+  /// every rebalanceEvery. Default 0 = after rebalanceEvery steps. The first update at
+  /// which every rank has measured adopts the solver's split outright (no hysteresis,
+  /// no noise threshold): the plan it replaces was a guess, not a measured choice.
   int calibrationSteps = 0;
   /// Steps in each rank's median. Default 5.
   int window = 5;
@@ -102,8 +104,12 @@ class BatchPlanner {
   BatchPlan plan_;
   std::vector<RankCost> costs_;
   std::deque<double> secondsPerSample_;
+  int64_t firstUpdate() const;
+
   int64_t step_ = 0;
   double lastExchangeSeconds_ = 0.0;
+  /// Whether a plan has been derived from every rank's measurements yet.
+  bool measured_ = false;
 };
 
 }  // namespace hddp

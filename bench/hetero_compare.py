@@ -10,7 +10,9 @@ one run:
   - adaptation: planner run in which rank 1's slowdown halves at --change-at; steps until
     rank 1's share is within 5% of the best share B/(k+1) (equal base speeds), and
     whether the share moves again afterwards (oscillation);
-  - an SVG chart of the shares and step times over the adaptation run.
+  - an SVG chart of the shares and step times over the adaptation run;
+  - where the planner's gap goes (from --trace): the ranks' own speed while they train
+    together ("capacity", against the ideal) and the share of it the steps deliver.
 
   bench/hetero_compare.py --build build [--slowdown 3 --steps 60 --svg docs/hetero.svg]
 """
@@ -22,9 +24,21 @@ import sys
 from launch_json import run_json
 
 
-def run(launcher, bench, mode, args, env):
-    rows = run_json([launcher, "--nproc-per-node", "2", "--no-prefix", "--", bench, "--mode", mode] + args, env)
+def run(launcher, bench, mode, args, env, traces=None):
+    extra = ["--trace"] if traces is not None else []
+    rows = run_json([launcher, "--nproc-per-node", "2", "--no-prefix", "--", bench, "--mode", mode] + args + extra, env)
+    if traces is not None:
+        traces.extend(r for r in rows if r["kind"] == "trace")
     return [r for r in rows if r["kind"] == "step"], [r for r in rows if r["kind"] == "summary"]
+
+
+def rank_rates(traces):
+    """Each rank's samples/s while busy (compute plus emulated time, not waiting), timed steps."""
+    rates = {}
+    for r in sorted({t["rank"] for t in traces}):
+        mine = [t for t in traces if t["rank"] == r and t["step"] >= 0]
+        rates[r] = sum(t["local"] for t in mine) / sum(t["compute_s"] + t["emulated_s"] for t in mine)
+    return rates
 
 
 def svg_chart(steps, B, change_at, best_before, best_after, path):
@@ -83,8 +97,15 @@ def main():
         _, solo = run(launcher, bench, "solo", common, env)
         ideal = sum(r["solo_samples_per_s"] for r in solo)
         _, equal = run(launcher, bench, "equal", common, env)
-        plan_steps, planner = run(launcher, bench, "planner", common, env)
+        traces = []
+        plan_steps, planner = run(launcher, bench, "planner", common, env, traces)
+        # Where the planner's gap to the ideal goes: the ranks' own speed while they
+        # train together (capacity), and the share of that capacity the steps deliver
+        # (what the split and the synchronisation lose).
+        capacity = sum(rank_rates(traces).values())
         rounds.append({"ideal": ideal, "solo": [r["solo_samples_per_s"] for r in solo],
+                       "planner_capacity": capacity,
+                       "planner_of_capacity": planner[0]["global_samples_per_s"] / capacity,
                        "equal": equal[0]["global_samples_per_s"], "planner": planner[0]["global_samples_per_s"],
                        "equal_fraction": equal[0]["global_samples_per_s"] / ideal,
                        "planner_fraction": planner[0]["global_samples_per_s"] / ideal,
@@ -96,9 +117,11 @@ def main():
     for i, r in enumerate(rounds):
         print(f"  round {i + 1}: ideal (solo, at once) {r['ideal']:.1f} samples/s (rank 0 {r['solo'][0]:.1f}, rank 1 {r['solo'][1]:.1f}); "
               f"equal {r['equal']:.1f} = {r['equal_fraction']:.3f}; planner {r['planner']:.1f} = {r['planner_fraction']:.3f}, "
-              f"final split {r['final_split']}")
+              f"final split {r['final_split']}; ranks' own speed in the planner run {r['planner_capacity']:.1f} samples/s "
+              f"({r['planner_capacity'] / r['ideal']:.3f} of ideal), planner delivers {r['planner_of_capacity']:.3f} of it")
     print(f"  equal split:  median {eq:.3f} of ideal (theory 2/(k+1) = {2 / (k + 1):.3f})")
-    print(f"  hddp planner: median {pl:.3f} of ideal")
+    print(f"  hddp planner: median {pl:.3f} of ideal; of the ranks' own speed in the same run: median "
+          f"{median([r['planner_of_capacity'] for r in rounds]):.3f}")
     # Adaptation: rank 1's slowdown k -> k/2 at change_at.
     total = a.change_at + a.steps
     adapt_steps, _ = run(launcher, bench, "planner", ["--global-batch", str(B), "--steps", str(total),

@@ -390,12 +390,20 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
   std::ifstream in(dir + "/timeline.json");
   auto trace = nlohmann::json::parse(in);
   std::map<int, int> exchanges;
+  std::map<int, double> firstStepDelay;  // emulated microseconds in step 0, per rank
   for (const auto& e : trace.at("traceEvents")) {
     if (e.at("ph") == "X" && e.at("name") == "plan exchange") {
       ++exchanges[e.at("pid").get<int>()];
     }
+    if (e.at("ph") == "X" && e.at("name") == "emulated delay" && e.at("args").at("step") == 0) {
+      firstStepDelay[e.at("pid").get<int>()] += e.at("dur").get<double>();
+    }
   }
   EXPECT_EQ(exchanges, (std::map<int, int>{{0, 4}, {1, 4}}));
+  // The slow rank is slowed from its first step on (stretched after the fact, there
+  // being no estimate before it), so the calibration sees its emulated speed.
+  EXPECT_GT(firstStepDelay[1], 100.0);
+  EXPECT_EQ(firstStepDelay.count(0), 0u);
 }
 
 // Rank 1 "runs out of memory" above 20 samples (emulated: c10::OutOfMemoryError in

@@ -43,7 +43,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);
   const int rank = std::getenv("RANK") ? std::atoi(std::getenv("RANK")) : 0;
-  hddp::EmulationOptions emulation = hddp::emulationFromEnv(rank);
+  const int worldFromEnv = std::getenv("WORLD_SIZE") ? std::atoi(std::getenv("WORLD_SIZE")) : 1;
+  hddp::EmulationOptions emulation = hddp::emulationFromEnv(rank, std::max(1, worldFromEnv));
 
   torch::manual_seed(0);
   hddp::models::ResNetOptions mo;

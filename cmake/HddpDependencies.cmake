@@ -82,6 +82,11 @@ else()
     set(HDDP_CLI11_TARGET hddp_dep_cli11)
   endif()
 endif()
+# Our readable range checks for CLI11 (tools/common/cli_checks.h), for tools and examples.
+add_library(hddp_cli INTERFACE)
+target_include_directories(hddp_cli INTERFACE "${PROJECT_SOURCE_DIR}/tools/common")
+target_link_libraries(hddp_cli INTERFACE ${HDDP_CLI11_TARGET})
+set(HDDP_CLI11_TARGET hddp_cli)
 
 # nlohmann-json (metrics, timeline) and stb (image decoding): header-only, private to
 # libhddp. zlib reads .gz datasets; without it, gzip files are refused with a message.

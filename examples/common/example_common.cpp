@@ -9,6 +9,7 @@
 #include <numeric>
 #include <thread>
 
+#include "cli_checks.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/rendezvous.h"
@@ -21,24 +22,22 @@ namespace examples {
 
 void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--global-batch", f.globalBatch, "Samples per optimizer step over all ranks")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::positive())
       ->capture_default_str();
   app.add_option("--epochs", f.epochs, "Passes over the training set")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::positive())
       ->capture_default_str();
   app.add_option("--max-steps", f.maxSteps, "Stop after this many steps in total (0: no limit)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
-  app.add_option("--lr", f.lr, "Peak learning rate")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  app.add_option("--lr", f.lr, "Peak learning rate")->check(cli::positive())->capture_default_str();
   app.add_option("--schedule", f.schedule,
                  "Learning-rate schedule after warm-up: cosine (to 0), step (x0.1 at 50% and "
                  "75% of the steps) or constant")
       ->check(CLI::IsMember({"cosine", "step", "constant"}))
       ->capture_default_str();
   app.add_option("--warmup-epochs", f.warmupEpochs, "Linear learning-rate warm-up (epochs)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--optimizer", f.optimizer, "sgd (momentum, Nesterov) or adamw")
       ->check(CLI::IsMember({"sgd", "adamw"}))
@@ -47,7 +46,7 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   app.add_option("--weight-decay", f.weightDecay, "Weight decay")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--amp", f.amp,
                  "Mixed precision: off, bf16 (CPU and CUDA) or fp16 (CUDA, dynamic loss scaling)")
@@ -56,30 +55,30 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_flag("--checkpoint-activations", f.checkpointActivations,
                "Recompute blocks in backward instead of storing their activations");
   app.add_option("--clip-grad-norm", f.clipGradNorm, "Clip the global gradient norm (0: off)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--workers", f.workers, "Data-loading threads per rank (0: load inline)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--prefetch", f.prefetch, "Batches prepared ahead per rank")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::positive())
       ->capture_default_str();
   app.add_option("--save-dir", f.saveDir, "Write state files here (atomic, CRC-checked)");
   app.add_option("--save-every", f.saveEvery,
                  "Save every N steps (0: at the end of each epoch and of the run)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--resume", f.resume,
                  "Resume from a state file, or the newest valid one in a directory");
   app.add_option("--eval-every", f.evalEvery, "Evaluate every N epochs (the last always)")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::positive())
       ->capture_default_str();
   app.add_option("--eval-batch", f.evalBatch, "Evaluation batch per rank")
-      ->check(CLI::PositiveNumber)
+      ->check(cli::positive())
       ->capture_default_str();
   app.add_option("--threads", f.threads,
                  "Intra-op threads per rank (0: this host's cores / ranks on this host)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--metrics", f.metrics,
                  "JSON-lines metrics file (rank r > 0 writes NAME.rank<r>.EXT)");
@@ -98,10 +97,10 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--seed", f.seed, "Seed of initialisation, shuffling and augmentation")
       ->capture_default_str();
   app.add_option("--limit-train", f.limitTrain, "Train on this many samples (0: all)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--limit-test", f.limitTest, "Evaluate on this many samples (0: all)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--progress", f.progress, "auto (a live bar on a terminal), lines or off")
       ->check(CLI::IsMember({"auto", "lines", "off"}))
@@ -141,30 +140,26 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   o.saveEvery = f.saveEvery;
   o.resume = f.resume;
   if (!f.maxLocalBatch.empty()) {
-    for (int r = 0; r < ctx.worldSize(); ++r) {
-      const double cap = parseRankValue("--max-local-batch", f.maxLocalBatch, r, 0.0);
-      HDDP_CHECK_AS(ConfigError, cap >= 0 && cap == static_cast<double>(static_cast<int64_t>(cap)),
-                    "--max-local-batch ", f.maxLocalBatch, ": rank ", r, "'s cap ", cap,
-                    " is not a whole number of samples");
-      o.maxLocalBatch.push_back(static_cast<int64_t>(cap));
-    }
+    o.maxLocalBatch = parseRankCaps("--max-local-batch", f.maxLocalBatch, ctx.worldSize());
   }
   if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty() || !f.emulateMemoryCap.empty()) {
-    EmulationOptions e = emulationFromEnv(ctx.rank());  // flags override the environment
+    // flags override the environment
+    EmulationOptions e = emulationFromEnv(ctx.rank(), ctx.worldSize());
+    const auto rank = static_cast<size_t>(ctx.rank());
     if (!f.emulateSlowdown.empty()) {
-      e.slowdown = parseRankValue("--emulate-slowdown", f.emulateSlowdown, ctx.rank(), 1.0);
+      e.slowdown =
+          parseRankValues("--emulate-slowdown", f.emulateSlowdown, ctx.worldSize(), 1.0)[rank];
     }
     if (!f.emulateLinkGbps.empty()) {
       e.linkBytesPerSecond =
-          parseRankValue("--emulate-link-gbps", f.emulateLinkGbps, ctx.rank(), 0.0) * 1e9;
+          parseRankValues("--emulate-link-gbps", f.emulateLinkGbps, ctx.worldSize(), 0.0)[rank] *
+          1e9;
     }
     if (!f.emulateMemoryCap.empty()) {
-      const double cap = parseRankValue("--emulate-memory-cap", f.emulateMemoryCap, ctx.rank(), 0);
-      HDDP_CHECK_AS(ConfigError, cap >= 0 && cap == static_cast<double>(static_cast<int64_t>(cap)),
-                    "--emulate-memory-cap ", f.emulateMemoryCap,
-                    ": a cap is a whole number of samples");
-      e.memoryCapSamples = static_cast<int64_t>(cap);
+      e.memoryCapSamples =
+          parseRankCaps("--emulate-memory-cap", f.emulateMemoryCap, ctx.worldSize())[rank];
     }
+    e.validate(ctx.rank());
     o.emulation = e;
   }
   return o;

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <tuple>
 
+#include "cli_checks.h"
 #include "example_common.h"
 #include "resnet.h"
 
@@ -155,7 +156,7 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--image-size", imageSize,
                  "folder/synthetic: image side in pixels (default 32 / 28)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hddp::cli::nonNegative());
   app.add_option("--channels", channels, "folder/synthetic: 1 (grey) or 3 (RGB)")
       ->check(CLI::IsMember({1, 3}))
       ->capture_default_str();

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <tuple>
 
+#include "cli_checks.h"
 #include "example_common.h"
 #include "unet.h"
 
@@ -59,22 +60,22 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--image-size", imageSize,
                  "Image side in pixels (a multiple of 2^depth; folder images are resized)")
-      ->check(CLI::PositiveNumber)
+      ->check(hddp::cli::positive())
       ->capture_default_str();
   app.add_option("--channels", channels, "Input channels: 1 (grey) or 3 (RGB)")
       ->check(CLI::IsMember({1, 3}))
       ->capture_default_str();
   app.add_option("--samples", samples, "shapes: training images")
-      ->check(CLI::PositiveNumber)
+      ->check(hddp::cli::positive())
       ->capture_default_str();
   app.add_option("--test-samples", testSamples, "shapes: test images")
-      ->check(CLI::PositiveNumber)
+      ->check(hddp::cli::positive())
       ->capture_default_str();
   app.add_option("--depth", depth, "U-Net levels (down-samplings)")
       ->check(CLI::Range(1, 6))
       ->capture_default_str();
   app.add_option("--base-width", baseWidth, "Channels of the first level (doubled per level)")
-      ->check(CLI::PositiveNumber)
+      ->check(hddp::cli::positive())
       ->capture_default_str();
   app.add_flag("--no-batch-norm", noBatchNorm, "Plain convolutions without batch norm");
   app.add_flag("--no-augment", noAugment, "folder: no random crops or flips");

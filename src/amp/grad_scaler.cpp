@@ -68,19 +68,38 @@ void GradScaler::lazyInit(const at::Device& device) {
   }
 }
 
+// A rank with no samples in a step scales no loss, yet receives the others' scaled
+// gradients and must take part in the found-inf agreement: its scale starts where
+// every rank's starts (initScale) and has followed the same agreed updates since.
+void GradScaler::initWithoutLoss(torch::optim::Optimizer& optimizer) {
+  if (scale_.defined()) {
+    return;
+  }
+  at::Device device = communicator_ ? communicator_->device() : at::Device(at::kCPU);
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      device = p.device();
+      break;
+    }
+  }
+  lazyInit(device);
+}
+
 at::Tensor GradScaler::scale(const at::Tensor& loss) {
   if (!options_.enabled) {
     return loss;
   }
   lazyInit(loss.device());
-  return loss * scale_.to(loss.scalar_type());
+  // The scale stays float32 (65536 is inf in float16): type promotion makes the scaled
+  // loss float32, as PyTorch's GradScaler does.
+  return loss * scale_;
 }
 
 void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled) {
     return;
   }
-  HDDP_CHECK(scale_.defined(), "GradScaler::unscale before scale(): scale the loss first");
+  initWithoutLoss(optimizer);
   PerOptimizer& state = perOptimizer_[&optimizer];
   HDDP_CHECK(!state.unscaled,
              "GradScaler::unscale called twice for one optimizer in one step; call update() "
@@ -127,7 +146,7 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     optimizer.step();
     return true;
   }
-  HDDP_CHECK(scale_.defined(), "GradScaler::step before scale(): scale the loss first");
+  initWithoutLoss(optimizer);
   PerOptimizer& state = perOptimizer_[&optimizer];
   HDDP_CHECK(!state.stepped,
              "GradScaler::step called twice for one optimizer in one step; call update()");

@@ -48,9 +48,12 @@ BatchPlan equalSplit(int worldSize, int64_t globalBatch) {
   return plan;
 }
 
-BatchPlan scalePlan(const BatchPlan& plan, int64_t total) {
+BatchPlan scalePlan(const BatchPlan& plan, int64_t total, int64_t minLocal) {
   HDDP_CHECK(total >= 0 && !plan.local.empty(), "scalePlan: total ", total, " for a plan of ",
              plan.local.size(), " ranks");
+  const auto n = static_cast<int64_t>(plan.local.size());
+  HDDP_CHECK(minLocal >= 0 && total >= n * minLocal, "scalePlan: ", total,
+             " samples cannot give each of ", n, " ranks at least ", minLocal);
   BatchPlan out;
   out.global = total;
   if (plan.global <= 0) {
@@ -70,6 +73,16 @@ BatchPlan scalePlan(const BatchPlan& plan, int64_t total) {
                    [](const auto& a, const auto& b) { return a.first > b.first; });
   for (size_t k = 0; assigned < total; ++k, ++assigned) {
     ++out.local[remainders[k % remainders.size()].second];
+  }
+  // Raise ranks below the minimum, one sample at a time from the largest share
+  // (deterministic: the lowest rank among equals), so the sum stays `total`.
+  for (size_t i = 0; i < out.local.size(); ++i) {
+    while (out.local[i] < minLocal) {
+      const auto largest = std::max_element(out.local.begin(), out.local.end());
+      HDDP_INTERNAL_ASSERT(*largest > minLocal, "scalePlan: no share above the minimum");
+      --*largest;
+      ++out.local[i];
+    }
   }
   return out;
 }

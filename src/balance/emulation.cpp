@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -11,50 +14,94 @@
 
 namespace hddp {
 
-double parseRankValue(const std::string& variable, const std::string& text, int rank,
-                      double fallback) {
+std::vector<double> parseRankValues(const std::string& variable, const std::string& text,
+                                    int worldSize, double fallback) {
+  HDDP_CHECK(worldSize >= 1, "parseRankValues: worldSize must be >= 1, got ", worldSize);
+  std::vector<double> values(static_cast<size_t>(worldSize), fallback);
   if (text.empty()) {
-    return fallback;
+    return values;
   }
+  auto number = [&](const std::string& item, const std::string& valueText) {
+    const double v = env::parseFloat(variable, valueText);
+    HDDP_CHECK_AS(ConfigError, std::isfinite(v), variable, "='", text, "': item '", item,
+                  "' is not a finite number");
+    return v;
+  };
   if (text.find(':') == std::string::npos) {
-    return env::parseFloat(variable, text);
+    std::fill(values.begin(), values.end(), number(text, text));
+    return values;
   }
+  std::vector<bool> seen(static_cast<size_t>(worldSize), false);
   std::stringstream items(text);
   std::string item;
-  double value = fallback;
   while (std::getline(items, item, ',')) {
     const auto colon = item.find(':');
     HDDP_CHECK_AS(ConfigError, colon != std::string::npos, variable, "='", text, "': item '", item,
                   "' is not rank:value (e.g. 1:3 or 0:1,1:2.5)");
-    if (env::parseInt(variable, item.substr(0, colon)) == rank) {
-      value = env::parseFloat(variable, item.substr(colon + 1));
-    }
+    const int64_t rank = env::parseInt(variable, item.substr(0, colon));
+    HDDP_CHECK_AS(ConfigError, rank >= 0 && rank < worldSize, variable, "='", text, "': item '",
+                  item, "' names rank ", rank, ", but this job has ", worldSize, " rank(s) (0..",
+                  worldSize - 1, ")");
+    HDDP_CHECK_AS(ConfigError, !seen[static_cast<size_t>(rank)], variable, "='", text, "': rank ",
+                  rank, " is listed twice");
+    seen[static_cast<size_t>(rank)] = true;
+    values[static_cast<size_t>(rank)] = number(item, item.substr(colon + 1));
   }
-  return value;
+  return values;
 }
 
-EmulationOptions emulationFromEnv(int rank) {
+std::vector<int64_t> parseRankCaps(const std::string& variable, const std::string& text,
+                                   int worldSize) {
+  // NaN marks an unlisted rank: a listed value is always finite.
+  const auto values =
+      parseRankValues(variable, text, worldSize, std::numeric_limits<double>::quiet_NaN());
+  std::vector<int64_t> caps;
+  for (size_t r = 0; r < values.size(); ++r) {
+    const double v = values[r];
+    if (std::isnan(v)) {
+      caps.push_back(0);
+      continue;
+    }
+    HDDP_CHECK_AS(ConfigError, v >= 1 && v <= 1e15 && v == std::floor(v), variable, "='", text,
+                  "': rank ", r, "'s cap ", v,
+                  " is not a whole number of samples >= 1 (a cap of 0 would give the rank "
+                  "nothing to do; leave a rank out of the list for no cap)");
+    caps.push_back(static_cast<int64_t>(v));
+  }
+  return caps;
+}
+
+EmulationOptions emulationFromEnv(int rank, int worldSize) {
+  HDDP_CHECK(rank >= 0 && rank < worldSize, "emulationFromEnv: rank ", rank,
+             " is outside a job of ", worldSize, " rank(s)");
   EmulationOptions o;
-  o.slowdown =
-      parseRankValue("HDDP_EMULATE_SLOWDOWN", env::getString("HDDP_EMULATE_SLOWDOWN"), rank, 1.0);
-  o.linkBytesPerSecond = parseRankValue("HDDP_EMULATE_LINK_GBPS",
-                                        env::getString("HDDP_EMULATE_LINK_GBPS"), rank, 0.0) *
-                         1e9;
-  const double cap =
-      parseRankValue("HDDP_EMULATE_MEMORY_CAP", env::getString("HDDP_EMULATE_MEMORY_CAP"), rank, 0);
-  HDDP_CHECK_AS(ConfigError, cap >= 0 && cap == static_cast<double>(static_cast<int64_t>(cap)),
-                "HDDP_EMULATE_MEMORY_CAP for rank ", rank, " is ", cap,
-                "; a memory cap is a whole number of samples (0 = off)");
-  o.memoryCapSamples = static_cast<int64_t>(cap);
-  HDDP_CHECK_AS(ConfigError, o.slowdown >= 1.0, "HDDP_EMULATE_SLOWDOWN for rank ", rank, " is ",
-                o.slowdown, "; a slowdown factor must be >= 1");
-  HDDP_CHECK_AS(ConfigError, o.linkBytesPerSecond >= 0, "HDDP_EMULATE_LINK_GBPS for rank ", rank,
-                " is negative");
+  o.slowdown = parseRankValues("HDDP_EMULATE_SLOWDOWN", env::getString("HDDP_EMULATE_SLOWDOWN"),
+                               worldSize, 1.0)[static_cast<size_t>(rank)];
+  o.linkBytesPerSecond =
+      parseRankValues("HDDP_EMULATE_LINK_GBPS", env::getString("HDDP_EMULATE_LINK_GBPS"), worldSize,
+                      0.0)[static_cast<size_t>(rank)] *
+      1e9;
+  o.memoryCapSamples =
+      parseRankCaps("HDDP_EMULATE_MEMORY_CAP", env::getString("HDDP_EMULATE_MEMORY_CAP"),
+                    worldSize)[static_cast<size_t>(rank)];
+  o.validate(rank);
   return o;
+}
+
+void EmulationOptions::validate(int rank) const {
+  HDDP_CHECK_AS(ConfigError, std::isfinite(slowdown) && slowdown >= 1.0 && slowdown <= 1e6,
+                "emulated slowdown for rank ", rank, " is ", slowdown,
+                "; a slowdown factor is a finite number from 1 to 1e6");
+  HDDP_CHECK_AS(ConfigError, std::isfinite(linkBytesPerSecond) && linkBytesPerSecond >= 0,
+                "emulated link bandwidth for rank ", rank, " is ", linkBytesPerSecond / 1e9,
+                " GB/s; give a finite positive bandwidth (or leave the rank out)");
+  HDDP_CHECK_AS(ConfigError, memoryCapSamples >= 0, "emulated memory cap for rank ", rank, " is ",
+                memoryCapSamples, "; give a number of samples >= 1");
 }
 
 Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep)
     : options_(options), sleep_(std::move(sleep)) {
+  options_.validate(rank);
   if (!sleep_) {
     sleep_ = [](std::chrono::duration<double> d) { std::this_thread::sleep_for(d); };
   }

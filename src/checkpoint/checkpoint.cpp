@@ -63,8 +63,15 @@ class ForwardStateScope {
     compat::setAutocastDtype(c10::kCPU, s.autocastCpuDtype);
     compat::setAutocastEnabled(c10::kCUDA, s.autocastCuda);
     compat::setAutocastDtype(c10::kCUDA, s.autocastCudaDtype);
+    // An autocast scope, as PyTorch's checkpoint opens one: the recomputation's
+    // low-precision weight casts are cached only for this scope. Without it they would
+    // outlive the optimizer step and the next forward would use the old weights.
+    compat::incrementAutocastNesting();
   }
   ~ForwardStateScope() {
+    if (compat::decrementAutocastNesting() == 0) {
+      compat::clearAutocastCache();
+    }
     auto cpu = at::detail::getDefaultCPUGenerator();
     setRngState(cpu, savedCpu_);
     for (auto& entry : savedDevices_) {

@@ -377,9 +377,9 @@ std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int
                 " is outside the group of size ", size, " (valid: 0..", size - 1, ")");
   std::chrono::milliseconds timeout = options.timeout;
   if (timeout.count() <= 0) {
-    const int64_t seconds = env::getInt("HDDP_TIMEOUT_SEC");
+    const std::chrono::seconds seconds = env::timeoutFromEnv();
     timeout =
-        seconds > 0 ? std::chrono::milliseconds(seconds * 1000) : defaultTimeout(options.backend);
+        seconds.count() > 0 ? std::chrono::milliseconds(seconds) : defaultTimeout(options.backend);
   }
   // Each communicator gets its own key space in the store, so several communicators
   // (and restarts) in one job do not see each other's keys.

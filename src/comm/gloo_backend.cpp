@@ -19,6 +19,8 @@ c10::intrusive_ptr<c10d::Backend> createGlooBackend(const c10::intrusive_ptr<c10
                                             : std::optional<std::string>(options.glooInterface));
   if (!iface.value.empty()) {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface.value));
+  } else if (!options.glooHostname.empty()) {
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(options.glooHostname));
   } else {
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
   }
@@ -27,7 +29,7 @@ c10::intrusive_ptr<c10d::Backend> createGlooBackend(const c10::intrusive_ptr<c10
       options.glooThreads > 0 ? std::optional<int64_t>(options.glooThreads) : std::nullopt);
   opts->threads = static_cast<int>(std::max<int64_t>(1, threads.value));
   HDDP_LOG_DEBUG("comm", "creating Gloo communicator: rank ", rank, "/", size, ", ", opts->threads,
-                 " threads, interface '", iface.value, "'");
+                 " threads, interface '", iface.value, "', address '", options.glooHostname, "'");
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 }
 

@@ -1,6 +1,7 @@
 // Reading launcher conventions (torchrun, Slurm, Open MPI) into a LaunchInfo. Pure
 // functions of an environment map, so every convention and error is unit-tested.
 #include <cctype>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -49,7 +50,7 @@ Field requiredInt(const EnvMap& env, const std::string& name, const std::string&
 
 // "4", "4(x2)" or "4(x2),3" -> 4 (the count on the first node, which is ours when
 // SLURM_NODEID is 0; Slurm's tasks-per-node lists are per node in order).
-std::optional<int> firstCount(const std::string& text) {
+std::optional<int> firstCount(const std::string& name, const std::string& text) {
   size_t i = 0;
   while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
     ++i;
@@ -57,7 +58,10 @@ std::optional<int> firstCount(const std::string& text) {
   if (i == 0) {
     return std::nullopt;
   }
-  return std::stoi(text.substr(0, i));
+  const int64_t n = env::parseInt(name, text.substr(0, i));
+  HDDP_CHECK_AS(ConfigError, n <= std::numeric_limits<int>::max(), name, "='", text, "': ", n,
+                " tasks per node is out of range");
+  return static_cast<int>(n);
 }
 
 }  // namespace
@@ -148,7 +152,7 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
     localRank = optionalInt(env, "SLURM_LOCALID");
     for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
       if (const std::string* text = find(env, name)) {
-        if (auto n = firstCount(*text)) {
+        if (auto n = firstCount(name, *text)) {
           localWorld = Field{*n, name};
           break;
         }

@@ -3,6 +3,7 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <unistd.h>
 
+#include "comm/loopback.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -49,8 +50,8 @@ DistributedContext initFromEnv(const InitOptions& options) {
   std::chrono::milliseconds timeout{0};
   if (options.timeout) {
     timeout = *options.timeout;
-  } else if (const int64_t sec = env::getInt("HDDP_TIMEOUT_SEC"); sec > 0) {
-    timeout = std::chrono::seconds(sec);
+  } else if (const auto sec = env::timeoutFromEnv(); sec.count() > 0) {
+    timeout = sec;
   } else {
     timeout = defaultTimeout(backend);
   }
@@ -99,6 +100,14 @@ DistributedContext initFromEnv(const InitOptions& options) {
   commOptions.backend = backend;
   commOptions.timeout = timeout;
   commOptions.device = device;
+  if (detail::isLoopbackAddress(info.masterAddr)) {
+    commOptions.glooHostname = "127.0.0.1";  // one node: nothing listens beyond loopback
+  } else if (info.worldSize > 1 && backend == Backend::Gloo) {
+    HDDP_LOG_INFO("comm",
+                  "Gloo listens on the address of this host's name (or "
+                  "HDDP_GLOO_INTERFACE); keep multi-node jobs on a private network "
+                  "(docs/launching.md)");
+  }
   auto communicator = makeCommunicator(store, info.rank, info.worldSize, commOptions);
   return DistributedContext{info, device, store, std::move(communicator)};
 }

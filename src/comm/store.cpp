@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "comm/errors.h"
+#include "comm/loopback.h"
 #include "comm/store_impl.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -46,6 +47,12 @@ Store Store::tcp(const TcpStoreOptions& options) {
   opts.timeout = options.timeout;
   auto impl = std::make_shared<Impl>();
   const std::string where = options.host + ":" + std::to_string(options.port);
+  const bool loopbackOnly = options.isServer && detail::isLoopbackAddress(options.host);
+  if (loopbackOnly) {
+    // c10d's server listens on every interface; a store its clients reach on loopback
+    // needs nothing beyond it. The store takes the socket over.
+    opts.masterListenFd = detail::listenOnLoopback(options.port);
+  }
   try {
     auto store = c10::make_intrusive<c10d::TCPStore>(options.host, opts);
     impl->port = store->getPort();
@@ -57,7 +64,15 @@ Store Store::tcp(const TcpStoreOptions& options) {
                                  true);
   }
   impl->description = "TCPStore " + options.host + ":" + std::to_string(impl->port);
-  HDDP_LOG_DEBUG("comm", options.isServer ? "hosting " : "joined ", impl->description);
+  if (options.isServer && !loopbackOnly) {
+    HDDP_LOG_INFO("comm", "the rendezvous store listens on port ", impl->port,
+                  " of every interface (MASTER_ADDR ", options.host,
+                  " is not a loopback address); keep multi-node jobs on a private network "
+                  "(docs/launching.md)");
+  } else {
+    HDDP_LOG_DEBUG("comm", options.isServer ? "hosting " : "joined ", impl->description,
+                   loopbackOnly ? " (listening on loopback only)" : "");
+  }
   return Store(std::move(impl));
 }
 

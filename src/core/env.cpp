@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
@@ -158,8 +159,10 @@ int64_t parseInt(const std::string& name, const std::string& text) {
   errno = 0;
   char* end = nullptr;
   const long long parsed = std::strtoll(v.c_str(), &end, 10);
-  HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0' && errno == 0, name, "='", text,
+  HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0', name, "='", text,
                 "' is not an integer; set it to a whole number such as 4");
+  HDDP_CHECK_AS(ConfigError, errno != ERANGE, name, "='", text,
+                "' is out of range for a 64-bit integer");
   return static_cast<int64_t>(parsed);
 }
 
@@ -170,7 +173,17 @@ double parseFloat(const std::string& name, const std::string& text) {
   const double parsed = std::strtod(v.c_str(), &end);
   HDDP_CHECK_AS(ConfigError, !v.empty() && end && *end == '\0' && errno == 0, name, "='", text,
                 "' is not a number; set it to a value such as 2.5");
+  HDDP_CHECK_AS(ConfigError, std::isfinite(parsed), name, "='", text,
+                "' is not a finite number; set it to a value such as 2.5");
   return parsed;
+}
+
+std::chrono::seconds timeoutFromEnv() {
+  const int64_t seconds = getInt("HDDP_TIMEOUT_SEC");
+  HDDP_CHECK_AS(ConfigError, seconds >= 0 && seconds <= kMaxTimeoutSeconds,
+                "HDDP_TIMEOUT_SEC=", seconds, " is out of range: give seconds from 1 to ",
+                kMaxTimeoutSeconds, " (a year), or 0 for PyTorch's defaults");
+  return std::chrono::seconds(seconds);
 }
 
 Resolved<bool> resolveBool(const std::string& name, std::optional<bool> explicitValue) {

@@ -50,10 +50,17 @@ std::vector<uint8_t> readFile(const std::string& path) {
       out.insert(out.end(), buffer, buffer + n);
     }
     int err = 0;
-    const char* message = gzerror(f, &err);
+    const char* raw = gzerror(f, &err);
+    std::string message = raw ? raw : "";  // owned by f: copy before gzclose
+    if (message.rfind(path + ": ", 0) == 0) {
+      message.erase(0, path.size() + 2);  // zlib prefixes the path, which we name anyway
+    }
     gzclose(f);
     HDDP_CHECK_AS(DataError, n == 0 && (err == Z_OK || err == Z_STREAM_END), "cannot decompress ",
-                  path, ": ", message);
+                  path, " (zlib: ", message.empty() ? "error " + std::to_string(err) : message,
+                  ") after ", out.size(),
+                  " bytes: ", err == Z_BUF_ERROR ? "the file is truncated" : "the file is corrupt",
+                  "; download or copy it again");
     return out;
 #else
     HDDP_THROW(DataError, path,

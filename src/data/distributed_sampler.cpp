@@ -21,6 +21,8 @@ DistributedSampler::DistributedSampler(int64_t datasetSize, SamplerOptions optio
     : size_(datasetSize), options_(options) {
   HDDP_CHECK(datasetSize > 0, "DistributedSampler needs a non-empty dataset, got ", datasetSize,
              " samples");
+  HDDP_CHECK(options.minLocalBatch >= 0, "SamplerOptions::minLocalBatch must be >= 0, got ",
+             options.minLocalBatch);
   setEpoch(0);
 }
 
@@ -44,6 +46,19 @@ bool DistributedSampler::epochDone(int64_t globalBatch) const {
   return left <= 0 || (options_.dropLast && left < globalBatch);
 }
 
+// How many samples the next step takes: plan.global, all that is left when that is
+// less, or all that is left when the rest after this step could not give every rank
+// its minimum.
+int64_t DistributedSampler::nextStepSize(const BatchPlan& plan) const {
+  const int64_t left = size_ - position_;
+  const int64_t floor = static_cast<int64_t>(plan.local.size()) * options_.minLocalBatch;
+  if (left <= plan.global) {
+    return left;
+  }
+  const int64_t after = left - plan.global;
+  return !options_.dropLast && after < floor ? left : plan.global;
+}
+
 StepShare DistributedSampler::next(const BatchPlan& plan, int rank) {
   HDDP_CHECK(plan.global > 0, "DistributedSampler::next: the plan's global batch is ", plan.global);
   HDDP_CHECK(rank >= 0 && rank < static_cast<int>(plan.local.size()),
@@ -51,8 +66,15 @@ StepShare DistributedSampler::next(const BatchPlan& plan, int rank) {
              " ranks");
   HDDP_CHECK(!epochDone(plan.global), "DistributedSampler: epoch ", epoch_,
              " is done; call setEpoch(epoch + 1) to start the next");
+  const int64_t take = nextStepSize(plan);
+  const int64_t floor = static_cast<int64_t>(plan.local.size()) * options_.minLocalBatch;
+  HDDP_CHECK(take >= floor, "DistributedSampler: ", take, " sample(s) left in epoch ", epoch_,
+             " cannot give each of ", plan.local.size(), " ranks its minimum of ",
+             options_.minLocalBatch,
+             " (the dataset, or what a resumed state left, is smaller "
+             "than ranks x minLocalBatch)");
   StepShare share;
-  share.plan = size_ - position_ < plan.global ? scalePlan(plan, size_ - position_) : plan;
+  share.plan = take == plan.global ? plan : scalePlan(plan, take, options_.minLocalBatch);
   share.globalBatch = share.plan.global;
   share.localBatch = share.plan.local[static_cast<size_t>(rank)];
   const int64_t begin = position_ + share.plan.offsetOf(rank);

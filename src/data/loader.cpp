@@ -168,8 +168,14 @@ class PrefetchLoader::Impl {
       return 0;
     }
     const int64_t remaining = dataset_->size() - consumed_.position;
-    return options_.sampler.dropLast ? remaining / plan_.global
-                                     : (remaining + plan_.global - 1) / plan_.global;
+    const int64_t full = remaining / plan_.global;
+    const int64_t rest = remaining % plan_.global;
+    if (options_.sampler.dropLast || rest == 0) {
+      return full;
+    }
+    // A rest too small for every rank's minimum joins the step before (the sampler).
+    const auto floor = static_cast<int64_t>(plan_.local.size()) * options_.sampler.minLocalBatch;
+    return rest < floor && full > 0 ? full : full + 1;
   }
 
   const Dataset& dataset() const { return *dataset_; }

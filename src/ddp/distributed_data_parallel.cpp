@@ -1,7 +1,7 @@
 #include "hddp/ddp/distributed_data_parallel.h"
 
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
@@ -10,6 +10,7 @@
 #include <chrono>
 #include <map>
 #include <sstream>
+#include <unordered_map>
 
 #include "comm/work_impl.h"
 #include "core/gradient_capture.h"
@@ -26,6 +27,30 @@ double secondsBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// Runs after AccumulateGrad has added a gradient into the parameter's .grad. Kept in
+// the parameter's own autograd metadata (not on its gradient accumulator node), so it
+// survives Module::load(), Tensor::set_() and anything else that gives the parameter
+// a new accumulator. A hook the user had installed before runs first.
+class ReadyHook : public torch::autograd::PostAccumulateGradHook {
+ public:
+  ReadyHook(std::function<void()> onReady,
+            std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous)
+      : onReady_(std::move(onReady)), previous_(std::move(previous)) {}
+  void operator()(const torch::autograd::Variable& tensor) override {
+    if (previous_) {
+      (*previous_)(tensor);
+    }
+    onReady_();
+  }
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> takePrevious() {
+    return std::move(previous_);
+  }
+
+ private:
+  std::function<void()> onReady_;
+  std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous_;
+};
+
 }  // namespace
 
 class DistributedDataParallel::Impl {
@@ -36,8 +61,9 @@ class DistributedDataParallel::Impl {
     int bucket = -1;
     int64_t offset = 0;  // elements into the bucket's flat buffer
     bool ready = false;
-    std::shared_ptr<torch::autograd::Node> accumulator;
-    uintptr_t postHookKey = 0;
+    // .grad holds the sum over ranks of the last synchronized step, not yet cleared
+    // by the user: the next step sends it divided by the world size (see holdOver).
+    bool holdsReduced = false;
     unsigned preHookIndex = 0;
   };
 
@@ -62,7 +88,16 @@ class DistributedDataParallel::Impl {
                options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
     HDDP_CHECK(options_.bufferSyncInterval >= 1,
                "DdpOptions::bufferSyncInterval must be >= 1, got ", options_.bufferSyncInterval);
+    std::unordered_map<const void*, std::string> seen;  // tied parameters: counted once
     for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+      const void* identity = item.value().unsafeGetTensorImpl();
+      const auto known = seen.find(identity);
+      if (known != seen.end()) {
+        HDDP_LOG_DEBUG("ddp", "'", item.key(), "' is the same tensor as '", known->second,
+                       "' (tied): synchronized once");
+        continue;
+      }
+      seen.emplace(identity, item.key());
       if (item.value().requires_grad()) {
         Param p;
         p.tensor = item.value();
@@ -78,6 +113,7 @@ class DistributedDataParallel::Impl {
       bufferNames_.push_back(item.key());
     }
     weight_ = 1.0 / comm_.size();
+    checkOneDevice();
     checkModelsAgree();
     if (options_.broadcastOnConstruction && comm_.size() > 1) {
       std::vector<at::Tensor> all;
@@ -102,8 +138,9 @@ class DistributedDataParallel::Impl {
   ~Impl() {
     for (auto& p : params_) {
       try {
-        if (p.accumulator) {
-          p.accumulator->del_post_hook(p.postHookKey);
+        auto& hook = torch::autograd::impl::post_acc_grad_hooks(p.tensor);
+        if (auto* ours = dynamic_cast<ReadyHook*>(hook.get())) {
+          hook = ours->takePrevious();
         }
         p.tensor.remove_hook(p.preHookIndex);
       } catch (const std::exception& e) {
@@ -117,34 +154,7 @@ class DistributedDataParallel::Impl {
     HDDP_CHECK(local >= 0 && local <= global, "setBatch: the local batch ", local,
                " must be between 0 and the global batch ", global);
     weight_ = static_cast<double>(local) / static_cast<double>(global);
-    refreshHooks();
-  }
-
-  // Module::load() and Tensor::set_() give a parameter a new gradient accumulator, which
-  // has none of our hooks: without this its gradients would silently stay local.
-  void refreshHooks() {
-    int changed = 0;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      Param& p = params_[i];
-      if (torch::autograd::impl::try_get_grad_accumulator(p.tensor) == p.accumulator) {
-        continue;
-      }
-      ++changed;
-      try {
-        p.accumulator->del_post_hook(p.postHookKey);
-        p.tensor.remove_hook(p.preHookIndex);
-      } catch (const std::exception&) {
-        // the old accumulator is no longer part of any graph: nothing to undo
-      }
-      registerHook(static_cast<int>(i));
-    }
-    if (changed > 0) {
-      HDDP_LOG_WARN("ddp", changed,
-                    " parameter(s) were replaced in place after DistributedDataParallel was "
-                    "constructed (Module::load, Tensor::set_, ...); their gradient hooks were "
-                    "attached again. Load checkpoints by copying into the parameters to avoid "
-                    "this.");
-    }
+    stepDone_ = false;  // a new step: finalize() synchronizes again
   }
 
   void setNoSync(bool on) { noSync_ = on; }
@@ -159,27 +169,57 @@ class DistributedDataParallel::Impl {
   }
 
   void registerHook(int i) {
-    {
-      Param& p = params_[static_cast<size_t>(i)];
-      // Weighting, applied to every gradient as it arrives (also under noSync, so
-      // accumulated micro-steps carry their own b/B).
-      p.preHookIndex = p.tensor.register_hook([this](const at::Tensor& grad) -> at::Tensor {
-        if (weight_ == 1.0 || detail::capturingInnerGradients()) {
-          return grad;  // a checkpoint recomputation: weighted when it reaches the parameter
-        }
-        return grad * weight_;
-      });
-      p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-      HDDP_INTERNAL_ASSERT(p.accumulator, "no gradient accumulator for parameter ", p.name);
-      const int index = i;
-      p.postHookKey =
-          p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-              [this, index](const torch::autograd::variable_list& outputs,
-                            const torch::autograd::variable_list& /*inputs*/) {
-                onGradientReady(index);
-                return outputs;
-              }));
+    Param& p = params_[static_cast<size_t>(i)];
+    // Runs on every incoming gradient before it is accumulated: weighting by b_i / B
+    // (also under noSync, so accumulated micro-steps carry their own b/B).
+    p.preHookIndex = p.tensor.register_hook([this, i](const at::Tensor& incoming) -> at::Tensor {
+      Param& param = params_[static_cast<size_t>(i)];
+      holdOver(param);
+      const at::Tensor& grad = incoming;
+      if (detail::capturingInnerGradients()) {
+        return grad;  // a checkpoint recomputation: weighted when it reaches the parameter
+      }
+      if (weight_ == 0.0) {
+        // No samples on this rank: its loss over an empty batch may be NaN, and NaN x 0
+        // would poison every rank's sum. A zero share contributes exact zeros.
+        return at::zeros_like(grad);
+      }
+      return weight_ == 1.0 ? grad : grad * weight_;
+    });
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(p.tensor);
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        p.tensor, std::make_unique<ReadyHook>([this, i] { onGradientReady(i); }, std::move(slot)));
+  }
+
+  // PyTorch's semantics for a gradient that the user did not clear between two
+  // synchronized steps (loss1.backward(); loss2.backward()): each backward's gradient
+  // is reduced once. .grad still holds the last step's sum over ranks, identical on
+  // every rank; sending it divided by the world size makes the next sum
+  // old + new instead of size x old + new.
+  void holdOver(Param& p) {
+    if (!p.holdsReduced) {
+      return;
     }
+    p.holdsReduced = false;
+    at::Tensor& grad = p.tensor.mutable_grad();
+    if (grad.defined()) {
+      at::NoGradGuard noGrad;
+      grad.div_(static_cast<double>(comm_.size()));
+    }
+  }
+
+  // A tensor hook may not change a gradient's layout, so a sparse gradient (Embedding
+  // with sparse=true) is accumulated sparse and made dense here, when it enters its
+  // bucket; from then on .grad is dense (AccumulateGrad adds sparse into dense).
+  void densify(const Param& p, at::Tensor& grad) {
+    if (!warnedSparse_) {
+      warnedSparse_ = true;
+      HDDP_LOG_WARN("ddp", "parameter '", p.name,
+                    "' received a sparse gradient (e.g. Embedding with sparse=true); "
+                    "DistributedDataParallel allreduces dense buckets, so sparse gradients are "
+                    "made dense (same result, the full tensor's bytes on the wire)");
+    }
+    grad = grad.to_dense();
   }
 
   void onGradientReady(int index) {
@@ -188,13 +228,14 @@ class DistributedDataParallel::Impl {
     }
     if (!stepActive_) {
       beginStep();
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finishBackward(); });
     }
     markReady(index, /*duringBackward=*/true);
   }
 
   void beginStep() {
     stepActive_ = true;
+    stepDone_ = false;
     nextBucket_ = 0;
     stats_ = DdpStepStats{};
     stats_.buckets = static_cast<int>(buckets_.size());
@@ -237,8 +278,12 @@ class DistributedDataParallel::Impl {
     if (recordOrder_) {
       readyOrder_.push_back(index);
     }
+    holdOver(p);  // no gradient reached it in this step (unused, or a rank without samples)
     at::Tensor view = sliceOf(p);
     at::Tensor& grad = p.tensor.mutable_grad();
+    if (grad.defined() && grad.is_sparse()) {
+      densify(p, grad);
+    }
     if (!grad.defined()) {
       view.zero_();  // unused parameter (or a rank without samples): contributes zeros
       if (options_.gradientAsBucketView) {
@@ -325,10 +370,20 @@ class DistributedDataParallel::Impl {
     return flat.narrow(0, flat.numel() - 1, 1);
   }
 
+  // The end of a synchronized backward (queued on the autograd engine).
+  void finishBackward() { finalize(); }
+
   void finalize() {
     HDDP_CHECK(!noSync_,
                "finalize() inside noSync(): gradients are only synchronized "
                "outside the noSync scope");
+    if (!stepActive_ && stepDone_) {
+      // This step's gradients are already summed (backward ended it): sending them
+      // again would multiply them by the world size. The next step starts at
+      // setBatch() or at its first gradient.
+      HDDP_LOG_DEBUG("ddp", "finalize(): the step is already synchronized, nothing to do");
+      return;
+    }
     const bool ranBackward = stepActive_;
     if (!ranBackward) {
       beginStep();  // a rank without samples this step: everything contributes zeros
@@ -356,6 +411,10 @@ class DistributedDataParallel::Impl {
     }
     const auto waitEnd = Clock::now();
     stepActive_ = false;
+    stepDone_ = true;
+    for (auto& p : params_) {
+      p.holdsReduced = true;
+    }
     if (failure) {
       std::rethrow_exception(failure);
     }
@@ -521,7 +580,33 @@ class DistributedDataParallel::Impl {
                    " bucket(s) from the observed gradient order");
   }
 
-  // ---- construction check -------------------------------------------------------------
+  // ---- construction checks ------------------------------------------------------------
+
+  // Gradients of parameters on different devices arrive on different autograd threads,
+  // which would race on the step's state; PyTorch's DDP likewise wants one device per
+  // process for a single-device module.
+  void checkOneDevice() const {
+    const at::Tensor* first = nullptr;
+    std::string firstName;
+    auto check = [&](const std::string& name, const at::Tensor& t) {
+      if (!first) {
+        first = &t;
+        firstName = name;
+        return;
+      }
+      HDDP_CHECK_AS(ConfigError, t.device() == first->device(), "DistributedDataParallel wraps ",
+                    "a module on one device, but parameter '", firstName, "' is on ",
+                    first->device(), " and '", name, "' on ", t.device(),
+                    ". Move the whole module with module->to(device) (one device per rank; "
+                    "a model split over devices is not supported)");
+    };
+    for (const auto& p : params_) {
+      check(p.name, p.tensor);
+    }
+    for (size_t i = 0; i < frozen_.size(); ++i) {
+      check(frozenNames_[i], frozen_[i]);
+    }
+  }
 
   void checkModelsAgree() {
     std::ostringstream sig;
@@ -591,6 +676,8 @@ class DistributedDataParallel::Impl {
   double weight_ = 1.0;
   bool noSync_ = false;
   bool stepActive_ = false;
+  bool stepDone_ = false;  // the last step was synchronized; no new one has started
+  bool warnedSparse_ = false;
   bool abandoning_ = false;
   bool abandonedLocally_ = false;
   int nextBucket_ = 0;

@@ -76,6 +76,9 @@ bool parseStep(const std::string& name, const std::string& prefix, int64_t* step
   if (digits.empty() || !std::all_of(digits.begin(), digits.end(), ::isdigit)) {
     return false;
   }
+  HDDP_CHECK_AS(ConfigError, digits.size() <= 18, "state file '", name, "' has a step number of ",
+                digits.size(),
+                " digits, beyond what hddp writes (at most 18); rename or remove it");
   *step = std::stoll(digits);
   return true;
 }

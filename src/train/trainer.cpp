@@ -157,16 +157,22 @@ class Trainer::Impl {
     }
     const int rank = comm.rank();
     ddp_ = std::make_unique<DistributedDataParallel>(model_, comm, options_.ddp);
+    for (const auto& module : model_->modules(/*include_self=*/true)) {
+      hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
+    }
     PlannerOptions po = options_.planner;
     po.globalBatch = options_.globalBatch;
+    if (hasSyncBatchNorm_ && po.minLocalBatch < 1) {
+      // SyncBatchNorm's collectives run in forward: a rank without samples would skip
+      // them while the others wait. Every rank keeps at least one sample in every step.
+      po.minLocalBatch = 1;
+      HDDP_LOG_INFO("train", "SyncBatchNorm: every rank gets at least one sample per step");
+    }
     options_.planner = po;
     if (options_.balance) {
       planner_ = std::make_unique<BatchPlanner>(comm, po);
     }
     applyGivenMemoryCaps();
-    for (const auto& module : model_->modules(/*include_self=*/true)) {
-      hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
-    }
     GradScalerOptions so = options_.scaler;
     so.enabled = options_.amp == AmpMode::Fp16;
     scaler_ = std::make_unique<GradScaler>(so, &comm);
@@ -174,9 +180,11 @@ class Trainer::Impl {
     lo.device = device_;
     lo.seed = options_.seed;
     lo.sampler.seed = options_.seed;
+    lo.sampler.minLocalBatch = std::max(lo.sampler.minLocalBatch, po.minLocalBatch);
     options_.loader = lo;
     loader_ = std::make_unique<PrefetchLoader>(std::move(train), rank, lo);
-    EmulationOptions emulation = options_.emulation ? *options_.emulation : emulationFromEnv(rank);
+    EmulationOptions emulation =
+        options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
     emulator_ = std::make_unique<Emulator>(emulation, rank);
     HDDP_LOG_INFO("train", "rank ", rank, "/", comm.size(), " on ", device_.str(), ": ",
                   loader_->dataset().describe(), "; global batch ", options_.globalBatch, ", ",

@@ -140,11 +140,51 @@ TEST(GradScaler, MisuseIsReported) {
   hddp::GradScaler scaler;
   auto w = torch::ones({2}, torch::requires_grad());
   torch::optim::SGD opt({w}, 0.1);
-  EXPECT_THROW(scaler.unscale(opt), hddp::Error);  // before scale()
   scaler.scale(w.sum()).backward();
   scaler.unscale(opt);
   EXPECT_THROW(scaler.unscale(opt), hddp::Error);  // twice in one step
   EXPECT_THROW(hddp::GradScaler(hddp::GradScalerOptions{-1.0}), hddp::Error);
+}
+
+// 65536 is inf in float16: the scale must stay float32 and promote the loss.
+TEST(GradScaler, Fp16LossIsScaledInFloat32) {
+  hddp::GradScaler scaler;
+  auto scaled = scaler.scale(torch::full({}, 1.5, torch::kHalf));
+  EXPECT_EQ(scaled.scalar_type(), torch::kFloat);
+  EXPECT_EQ(scaled.item<double>(), 1.5 * 65536.0);
+}
+
+// A rank with no samples in the first step never calls scale(); it must still unscale
+// the gradients it receives and join the found-inf agreement, not throw while the other
+// ranks wait in it.
+TEST(GradScaler, ARankWithoutSamplesBeforeItsFirstScaleStepsWithTheOthers) {
+  std::vector<std::vector<torch::Tensor>> weights(2);
+  std::vector<int> stepped(2, -1);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(3);
+    torch::nn::Linear model(4, 2);
+    hddp::DistributedDataParallel ddp(model, *comm);
+    torch::optim::SGD opt(model->parameters(), 0.1);
+    hddp::GradScaler scaler({}, comm.get());
+    ddp.setBatch(rank == 0 ? 4 : 0, 4);
+    if (rank == 0) {
+      scaler.scale(model(torch::ones({4, 4})).pow(2).mean()).backward();
+    } else {
+      ddp.finalize();
+    }
+    stepped[rank] = scaler.step(opt) ? 1 : 0;
+    scaler.update();
+    for (auto& p : model->parameters()) {
+      weights[rank].push_back(p.detach().clone());
+    }
+  });
+  EXPECT_EQ(stepped[0], 1);
+  EXPECT_EQ(stepped[1], 1);
+  ASSERT_EQ(weights[0].size(), weights[1].size());
+  for (size_t i = 0; i < weights[0].size(); ++i) {
+    EXPECT_TRUE(torch::equal(weights[0][i], weights[1][i])) << "parameter " << i;
+  }
 }
 
 TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {

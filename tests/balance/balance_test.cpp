@@ -351,6 +351,54 @@ TEST(DistributedSampler, EverySampleOncePerEpochUnderChangingPlans) {
   }
 }
 
+TEST(BatchPlan, ScalePlanKeepsEveryRankAtTheMinimum) {
+  hddp::BatchPlan p;
+  p.global = 16;
+  p.local = {15, 1};
+  EXPECT_EQ(hddp::scalePlan(p, 2, 1).local, (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(hddp::scalePlan(p, 2, 0).local, (std::vector<int64_t>{2, 0}));
+  p.local = {8, 0, 8};
+  const auto up = hddp::scalePlan(p, 19, 1);
+  EXPECT_EQ(up.global, 19);
+  EXPECT_GE(up.local[1], 1);
+  EXPECT_EQ(up.local[0] + up.local[1] + up.local[2], 19);
+  EXPECT_THROW(hddp::scalePlan(p, 2, 1), hddp::Error);
+}
+
+// With a minimum share (SyncBatchNorm), a rest too small to give every rank a sample
+// joins the step before: every step keeps every rank, every sample is used once.
+TEST(DistributedSampler, MinimumShareMergesATinyRestIntoTheStepBefore) {
+  for (int world : {2, 3}) {
+    const int64_t B = 16;
+    const int64_t N = 3 * B + world - 1;
+    hddp::BatchPlan plan;
+    plan.global = B;
+    plan.local = world == 2 ? std::vector<int64_t>{15, 1} : std::vector<int64_t>{8, 1, 7};
+    hddp::SamplerOptions so;
+    so.minLocalBatch = 1;
+    std::vector<hddp::DistributedSampler> samplers(world, hddp::DistributedSampler(N, so));
+    std::vector<int> used(N, 0);
+    int steps = 0;
+    while (!samplers[0].epochDone(B)) {
+      ++steps;
+      int64_t global = -1;
+      for (int r = 0; r < world; ++r) {
+        const auto share = samplers[r].next(plan, r);
+        EXPECT_GE(share.localBatch, 1) << "world " << world << " step " << steps << " rank " << r;
+        global = share.globalBatch;
+        for (int64_t i : share.indices) {
+          ++used[i];
+        }
+      }
+      EXPECT_EQ(global, steps == 3 ? B + world - 1 : B);
+    }
+    EXPECT_EQ(steps, 3) << "world " << world;
+    for (int64_t i = 0; i < N; ++i) {
+      EXPECT_EQ(used[i], 1) << "sample " << i;
+    }
+  }
+}
+
 TEST(DistributedSampler, ResumesMidEpochAndReshufflesPerEpoch) {
   hddp::DistributedSampler a(50, {});
   auto plan = hddp::equalSplit(2, 10);
@@ -372,12 +420,53 @@ TEST(DistributedSampler, ResumesMidEpochAndReshufflesPerEpoch) {
 
 namespace {
 
+template <typename Fn>
+std::string configErrorOf(Fn&& fn) {
+  try {
+    fn();
+  } catch (const hddp::ConfigError& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no ConfigError)";
+}
+
+// Every item is checked against the job, not only the one for this rank: a typo for
+// another rank, a rank that does not exist, inf/nan, or a cap of 0 used to pass.
+TEST(Emulation, EveryItemOfAPerRankListIsValidatedAgainstTheWorldSize) {
+  auto has = [](const std::string& message, const std::string& part) {
+    return message.find(part) != std::string::npos;
+  };
+  std::string m =
+      configErrorOf([] { hddp::parseRankValues("--emulate-slowdown", "7:abc", 2, 1.0); });
+  EXPECT_TRUE(has(m, "--emulate-slowdown")) << m;
+  m = configErrorOf([] { hddp::parseRankValues("--emulate-slowdown", "7:3", 2, 1.0); });
+  EXPECT_TRUE(has(m, "names rank 7, but this job has 2 rank(s)")) << m;
+  m = configErrorOf([] { hddp::parseRankValues("V", "0:2,1:abc", 2, 1.0); });
+  EXPECT_TRUE(has(m, "'abc'")) << m;
+  m = configErrorOf([] { hddp::parseRankValues("V", "1:2,1:3", 2, 1.0); });
+  EXPECT_TRUE(has(m, "listed twice")) << m;
+  for (const char* bad : {"inf", "nan", "1:inf", "0:nan"}) {
+    m = configErrorOf([&] { hddp::parseRankValues("HDDP_EMULATE_SLOWDOWN", bad, 2, 1.0); });
+    EXPECT_TRUE(has(m, "HDDP_EMULATE_SLOWDOWN")) << bad << ": " << m;
+  }
+  m = configErrorOf([] { hddp::parseRankCaps("--max-local-batch", "1:0", 2); });
+  EXPECT_TRUE(has(m, "rank 1's cap 0 is not a whole number of samples >= 1")) << m;
+  EXPECT_EQ(hddp::parseRankCaps("--max-local-batch", "1:40", 3), (std::vector<int64_t>{0, 40, 0}));
+  hddp::EmulationOptions slow;
+  slow.slowdown = std::numeric_limits<double>::infinity();
+  m = configErrorOf([&] { hddp::Emulator em(slow, 1); });
+  EXPECT_TRUE(has(m, "slowdown for rank 1")) << m;
+  setenv("HDDP_EMULATE_SLOWDOWN", "inf", 1);
+  m = configErrorOf([] { hddp::emulationFromEnv(0, 2); });
+  unsetenv("HDDP_EMULATE_SLOWDOWN");
+  EXPECT_TRUE(has(m, "HDDP_EMULATE_SLOWDOWN")) << m;
+}
+
 TEST(Emulation, ParsesPerRankValuesAndStretchesTime) {
-  EXPECT_EQ(hddp::parseRankValue("V", "1:3,2:1.5", 1, 1.0), 3.0);
-  EXPECT_EQ(hddp::parseRankValue("V", "1:3,2:1.5", 0, 1.0), 1.0);
-  EXPECT_EQ(hddp::parseRankValue("V", "2.0", 5, 1.0), 2.0);
-  EXPECT_THROW(hddp::parseRankValue("V", "1:x", 1, 1.0), hddp::ConfigError);
-  EXPECT_THROW(hddp::parseRankValue("V", "1:2,oops", 1, 1.0), hddp::ConfigError);
+  EXPECT_EQ(hddp::parseRankValues("V", "1:3,2:1.5", 3, 1.0), (std::vector<double>{1.0, 3.0, 1.5}));
+  EXPECT_EQ(hddp::parseRankValues("V", "2.0", 6, 1.0)[5], 2.0);
+  EXPECT_THROW(hddp::parseRankValues("V", "1:x", 2, 1.0), hddp::ConfigError);
+  EXPECT_THROW(hddp::parseRankValues("V", "1:2,oops", 2, 1.0), hddp::ConfigError);
   double slept = 0;
   hddp::EmulationOptions o;
   o.slowdown = 3.0;

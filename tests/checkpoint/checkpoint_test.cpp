@@ -84,6 +84,39 @@ TEST(Checkpoint, FunctionFormUnderBf16Autocast) {
   EXPECT_TRUE(torch::equal(plain.second, ckpt.second));
 }
 
+// The recomputation in backward runs under autocast; its low-precision weight casts
+// must not outlive it, or the next step's checkpointed forward would use the weights
+// from before the optimizer step.
+TEST(Checkpoint, RecomputationUnderAutocastLeavesNoStaleWeightCasts) {
+  torch::manual_seed(2);
+  torch::nn::Linear lin(8, 8);
+  auto x = torch::randn({4, 8});
+  torch::optim::SGD opt(lin->parameters(), 0.5);
+  auto body = [&](const std::vector<torch::Tensor>& in) {
+    return std::vector<torch::Tensor>{lin(in[0])};
+  };
+  torch::Tensor y;
+  {
+    hddp::AutocastGuard amp(c10::kCPU);
+    y = hddp::checkpoint(body, {x}, lin->parameters())[0].to(torch::kFloat).pow(2).sum();
+  }
+  y.backward();
+  opt.step();
+  opt.zero_grad();
+  torch::Tensor second;
+  {
+    hddp::AutocastGuard amp(c10::kCPU);
+    second = hddp::checkpoint(body, {x}, lin->parameters())[0];
+  }
+  torch::Tensor fresh;
+  {
+    hddp::AutocastGuard amp(c10::kCPU);
+    fresh = lin(x);
+  }
+  EXPECT_TRUE(torch::equal(second, fresh))
+      << "max difference " << (second - fresh).abs().max().item<double>();
+}
+
 TEST(Checkpoint, MisuseIsReported) {
   torch::nn::Linear l(3, 3);
   auto x = torch::randn({2, 3});  // does not require grad

@@ -73,6 +73,21 @@ TEST(Launch, Slurm) {
   EXPECT_EQ(detectLaunch({}, env).masterPort, 1234);
 }
 
+// A 23-digit count used to escape as std::out_of_range from std::stoi.
+TEST(Launch, OverlongSlurmCountIsAConfigErrorNamingTheVariable) {
+  EnvMap env = {{"SLURM_PROCID", "0"},
+                {"SLURM_NTASKS", "2"},
+                {"SLURM_NTASKS_PER_NODE", "99999999999999999999999"},
+                {"SLURM_JOB_NODELIST", "gpu07"}};
+  try {
+    detectLaunch({}, env);
+    FAIL() << "expected a ConfigError";
+  } catch (const hddp::ConfigError& e) {
+    const std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find("SLURM_NTASKS_PER_NODE"), std::string::npos) << m;
+  }
+}
+
 TEST(Launch, SlurmNodelists) {
   EXPECT_EQ(hddp::firstSlurmHost("gpu[01-04,07],login1"), "gpu01");
   EXPECT_EQ(hddp::firstSlurmHost("nodeA,nodeB"), "nodeA");

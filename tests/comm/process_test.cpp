@@ -130,6 +130,46 @@ TEST(HddpRun, FailedRankEndsTheJobAndIsNamed) {
   EXPECT_LT(r.seconds, 60.0) << "the other ranks sleep 10 minutes unless stopped";
 }
 
+// Rank 1 dies; rank 0 exits with an error the moment it sees that. The launcher names
+// rank 1, the first to fail, not the lowest rank that ended.
+TEST(HddpRun, NamesTheFirstRankToFailNotTheLowest) {
+  const std::string dir = hddp::testing::makeTempDir();
+  auto r = runCommand(launcher() + " --nproc-per-node 3 --grace-period 2 -- " + worker() +
+                      " cascade " + dir);
+  EXPECT_EQ(r.exitCode, 128 + SIGKILL) << r.output;
+  EXPECT_NE(r.output.find("hddp-run: rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("was killed by signal 9 (SIGKILL); stopping the other ranks"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("hddp-run: rank 0 (pid"), std::string::npos) << r.output;
+}
+
+// Without --master-addr the other nodes would dial their own loopback and wait for the
+// store's timeout (30 minutes).
+TEST(HddpRun, SeveralNodesNeedAMasterAddressTheOthersCanReach) {
+  for (const std::string addr : {"", " --master-addr 127.0.0.1"}) {
+    auto r = runCommand(launcher() + " --nnodes 2 --node-rank 1 --master-port 29517" + addr +
+                        " -- " + worker() + " allreduce");
+    EXPECT_EQ(r.exitCode, 2) << r.output;
+    EXPECT_NE(r.output.find("--master-addr"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("loopback"), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 30.0);
+  }
+}
+
+// A single-node job's store and Gloo listen on loopback only.
+TEST(HddpRun, ASingleNodeJobListensOnLoopbackOnly) {
+  for (const std::string flags : {" --nproc-per-node 2", " --standalone --nproc-per-node 2"}) {
+    auto r = runCommand(launcher() + flags + " -- " + worker() + " listening");
+    EXPECT_EQ(r.exitCode, 0) << r.output;
+    EXPECT_EQ(r.output.find("EXPOSED"), std::string::npos) << r.output;
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_NE(r.output.find("[rank " + std::to_string(rank) + "] listen "), std::string::npos)
+          << "rank " << rank << " listens nowhere? " << r.output;
+    }
+  }
+}
+
 TEST(HddpRun, RestartsTheGroupWithIncrementedRestartCount) {
   auto r = runCommand(launcher() + " --nproc-per-node 2 --max-restarts 2 --grace-period 2 -- " +
                       worker() + " fail-once 0 3");

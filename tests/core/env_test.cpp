@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 
 #include "hddp/core/error.h"
@@ -68,6 +69,39 @@ TEST(Env, BadValuesNameTheVariableAndTheValue) {
   }
   ScopedEnv badBool("HDDP_ALLOW_SHARED_DEVICE", "perhaps");
   EXPECT_THROW(hddp::env::getBool("HDDP_ALLOW_SHARED_DEVICE"), hddp::ConfigError);
+}
+
+// Numbers that overflowed (milliseconds of a huge timeout, a 30-digit count) or that
+// would sleep forever (inf, nan) are ConfigErrors that name the variable.
+TEST(Env, OutOfRangeNumbersAreConfigErrorsNamingTheVariable) {
+  auto errorOf = [](auto&& fn) -> std::string {
+    try {
+      fn();
+    } catch (const hddp::ConfigError& e) {
+      return e.what_without_backtrace();
+    }
+    return "(no ConfigError)";
+  };
+  {
+    ScopedEnv huge("HDDP_TIMEOUT_SEC", "9223372036854775");  // x1000 overflows int64
+    const std::string m = errorOf([] { hddp::env::timeoutFromEnv(); });
+    EXPECT_NE(m.find("HDDP_TIMEOUT_SEC=9223372036854775 is out of range"), std::string::npos) << m;
+  }
+  {
+    ScopedEnv digits("HDDP_TIMEOUT_SEC", "123456789012345678901234567890");
+    const std::string m = errorOf([] { hddp::env::timeoutFromEnv(); });
+    EXPECT_NE(m.find("HDDP_TIMEOUT_SEC"), std::string::npos) << m;
+    EXPECT_NE(m.find("out of range"), std::string::npos) << m;
+  }
+  {
+    ScopedEnv fine("HDDP_TIMEOUT_SEC", "90");
+    EXPECT_EQ(hddp::env::timeoutFromEnv(), std::chrono::seconds(90));
+  }
+  for (const char* bad : {"inf", "nan", "-inf"}) {
+    const std::string m = errorOf([&] { hddp::env::parseFloat("HDDP_X", bad); });
+    EXPECT_NE(m.find("HDDP_X='" + std::string(bad) + "' is not a finite number"), std::string::npos)
+        << m;
+  }
 }
 
 TEST(Env, BoolSpellings) {

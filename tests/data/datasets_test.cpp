@@ -3,7 +3,9 @@
 #include "hddp/data/datasets.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <filesystem>
@@ -112,6 +114,19 @@ TEST(Datasets, BadIdxFilesNameTheProblem) {
   EXPECT_NE(
       errorOf([&] { hddp::loadMnist(dir, hddp::Split::Train); }).find("train-images-idx3-ubyte"),
       std::string::npos);
+}
+
+// A cut-off download: zlib's own words and the file, not a pointer into freed memory.
+TEST(Datasets, TruncatedGzipSaysWhatZlibSaidAndWhichFile) {
+  const std::string dir = makeMnistDir(40, true);
+  const std::string path = dir + "/train-images-idx3-ubyte.gz";
+  struct stat st {};
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  ASSERT_EQ(truncate(path.c_str(), st.st_size / 2), 0);
+  const std::string message = errorOf([&] { hddp::loadMnist(dir, hddp::Split::Train); });
+  EXPECT_NE(message.find("train-images-idx3-ubyte.gz"), std::string::npos) << message;
+  EXPECT_NE(message.find("(zlib: unexpected end of file)"), std::string::npos) << message;
+  EXPECT_NE(message.find("truncated"), std::string::npos) << message;
 }
 
 TEST(Datasets, RealFashionMnistWhenInstalled) {

@@ -210,6 +210,27 @@ TEST(ExampleTrainers, BadFlagsSayWhatIsWrong) {
   EXPECT_NE(r.output.find("bf16"), std::string::npos) << r.output;
 }
 
+// Range checks used to print their bound as a 300-digit number.
+TEST(ExampleTrainers, OutOfRangeFlagsPrintReadableBounds) {
+  for (const std::string flag : {"--lr -1", "--global-batch 0", "--weight-decay -0.5"}) {
+    auto r = runTrainer(kResnet, flag + " --dataset synthetic");
+    EXPECT_NE(r.status, 0) << flag << ": " << r.output;
+    EXPECT_NE(r.output.find("must be >"), std::string::npos) << flag << ": " << r.output;
+    EXPECT_LT(r.output.size(), 400u) << flag << ": " << r.output;
+    EXPECT_EQ(r.output.find("0000000000"), std::string::npos) << flag << ": " << r.output;
+  }
+}
+
+// Per-rank lists are checked item by item against the job's ranks.
+TEST(ExampleTrainers, PerRankListsAreCheckedAgainstTheRanks) {
+  auto r = runTrainer(kResnet, "--dataset synthetic --emulate-slowdown 7:abc");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--emulate-slowdown"), std::string::npos) << r.output;
+  r = runTrainer(kResnet, "--dataset synthetic --max-local-batch 0:0");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("cap 0"), std::string::npos) << r.output;
+}
+
 TEST(ExampleCommon, LearningRateSchedules) {
   hddp::examples::CommonFlags f;
   f.lr = 0.4;

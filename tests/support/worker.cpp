@@ -3,15 +3,77 @@
 //   worker allreduce            allreduce a ones tensor, print "sum=<value> restart=<n>"
 //   worker fail RANK CODE       rank RANK exits with CODE after joining; the others wait
 //   worker fail-once RANK CODE  like fail, but only when TORCHELASTIC_RESTART_COUNT is 0
+//   worker listening            after an allreduce, prints each TCP socket this process
+//                               listens on: "listen ADDR loopback" or "listen ADDR EXPOSED"
+//   worker cascade DIR          rank 1 writes its pid to DIR/pid and kills itself
+//                               (SIGKILL); rank 0 exits with code 1 as soon as rank 1
+//                               has ended (as a peer that loses its connection does); the
+//                               others wait
 #include <ATen/ATen.h>
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 
 #include "hddp/hddp.h"
+
+namespace {
+
+// The inodes of this process's sockets.
+std::set<std::string> ownSocketInodes() {
+  std::set<std::string> inodes;
+  DIR* dir = opendir("/proc/self/fd");
+  while (dir) {
+    dirent* e = readdir(dir);
+    if (!e) {
+      break;
+    }
+    char target[256] = {0};
+    const std::string link = std::string("/proc/self/fd/") + e->d_name;
+    const ssize_t n = readlink(link.c_str(), target, sizeof(target) - 1);
+    const std::string t(target, n > 0 ? static_cast<size_t>(n) : 0);
+    if (t.rfind("socket:[", 0) == 0) {
+      inodes.insert(t.substr(8, t.size() - 9));
+    }
+  }
+  if (dir) {
+    closedir(dir);
+  }
+  return inodes;
+}
+
+// Prints this process's listening TCP sockets from /proc/net/tcp and tcp6.
+void printListening() {
+  const auto inodes = ownSocketInodes();
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode;
+      if (state != "0A" || !inodes.count(inode)) {
+        continue;  // not listening, or another process's
+      }
+      const std::string addr = local.substr(0, local.find(':'));
+      const bool loopback = addr == "0100007F" || addr == "00000000000000000000000001000000" ||
+                            addr == "0000000000000000FFFF00000100007F";
+      std::printf("listen %s %s\n", local.c_str(), loopback ? "loopback" : "EXPOSED");
+    }
+  }
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "allreduce";
@@ -30,8 +92,41 @@ int main(int argc, char** argv) {
         return 0;
       }
     }
+    if (mode == "cascade") {
+      const std::string pidFile = std::string(argv[2]) + "/pid";
+      if (ctx.rank() == 1) {
+        std::ofstream(pidFile + ".tmp") << getpid() << "\n";
+        std::rename((pidFile + ".tmp").c_str(), pidFile.c_str());
+        raise(SIGKILL);
+      }
+      if (ctx.rank() == 0) {
+        long pid = 0;
+        while (!(std::ifstream(pidFile) >> pid)) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        // Ended = a zombie not yet reaped, or gone.
+        while (true) {
+          std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+          std::string field;
+          std::string state;
+          if (!(stat >> field >> field >> state) || state == "Z") {
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        std::fprintf(stderr, "worker: rank 0 lost its peer\n");
+        return 1;
+      }
+      std::this_thread::sleep_for(std::chrono::minutes(10));
+      return 0;
+    }
     at::Tensor t = at::ones({4});
     ctx.communicator->allreduce(t).wait();
+    if (mode == "listening") {
+      printListening();
+      std::fflush(stdout);
+      ctx.communicator->allreduce(t).wait();  // nobody leaves before all have looked
+    }
     std::printf("sum=%g restart=%d launcher=%s\n", t[0].item<double>(), restart,
                 hddp::launcherName(ctx.info.launcher));
     return 0;

@@ -16,6 +16,7 @@
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
+#include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/state_file.h"
 #include "support/ranks.h"
 
@@ -43,6 +44,22 @@ struct NetImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(Net);
+
+// Net with SyncBatchNorm: every rank must run its forward collectives in every step.
+struct SyncNetImpl : torch::nn::Module {
+  SyncNetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 6, 3).padding(1)));
+    bn = register_module("bn", hddp::SyncBatchNorm(6));
+    fc = register_module("fc", torch::nn::Linear(6 * 8 * 8, 4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc->forward(torch::relu(bn->forward(conv->forward(x))).flatten(1));
+  }
+  torch::nn::Conv2d conv{nullptr};
+  hddp::SyncBatchNorm bn{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(SyncNet);
 
 std::string envOr(const char* name, const std::string& fallback = "") {
   const char* v = std::getenv(name);
@@ -158,6 +175,21 @@ TEST(StateFile, KeepsTheLastKAndRemovesLeftovers) {
   ASSERT_EQ(files.size(), 2u);
   EXPECT_EQ(fs::path(files[0]).filename(), "state-00000030.hddp");
   EXPECT_FALSE(fs::exists(hddp::stateFileName(dir, 50) + ".tmp"));
+}
+
+// A file whose step number has more digits than hddp writes used to escape as
+// std::out_of_range.
+TEST(StateFile, OverlongStepNumberInAFileNameIsNamed) {
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::string name = "state-123456789012345678901234567890.hddp";
+  std::ofstream(dir + "/" + name) << "x";
+  try {
+    hddp::listStateFiles(dir);
+    FAIL() << "expected a ConfigError";
+  } catch (const hddp::ConfigError& e) {
+    const std::string m = e.what_without_backtrace();
+    EXPECT_NE(m.find(name), std::string::npos) << m;
+  }
 }
 
 TEST(StateFile, CrashDuringSaveLeavesThePreviousFileLoadable) {
@@ -358,6 +390,55 @@ TEST(Trainer, LearnsAndWritesMetricsAndTimeline) {
   EXPECT_EQ(pids, (std::set<int>{0, 1}));
   for (const char* phase : {"data wait", "forward", "backward", "optimizer", "allreduce"}) {
     EXPECT_TRUE(names.count(phase)) << phase;
+  }
+}
+
+// SyncBatchNorm runs collectives in forward: a rank with no samples would skip them and
+// the others would wait forever. With a 10x slower rank (whose share would round to 0)
+// and a last batch smaller than the number of ranks, every rank must still get a
+// sample in every step, and every sample must still be used once per epoch.
+TEST(Trainer, SyncBatchNormKeepsEveryRankInEveryStepDespiteASlowRankAndATinyLastBatch) {
+  for (int world : {2, 3}) {
+    const std::string dir = hddp::testing::makeTempDir();
+    const int64_t B = 16;
+    const int64_t N = 3 * B + world - 1;  // the last batch (world - 1) is below world
+    const int epochs = 2;
+    runThreads(world, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      SyncNet model;
+      hddp::convertSyncBatchNorm(*model, *comm);  // attaches the communicator
+      torch::optim::SGD opt(model->parameters(), 0.01);
+      hddp::TrainerOptions o;
+      o.globalBatch = B;
+      o.epochs = epochs;
+      o.progress = hddp::ProgressMode::Off;
+      o.planner.rebalanceEvery = 2;
+      o.metricsPath = dir + "/m.jsonl";
+      hddp::EmulationOptions slow;
+      slow.slowdown = rank == 1 ? 10.0 : 1.0;
+      o.emulation = slow;
+      auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(N, 1, 8, 4);
+      hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
+                            ds, o);
+      trainer.fit();
+    });
+    int64_t samples = 0;
+    int64_t steps = 0;
+    for (int r = 0; r < world; ++r) {
+      std::ifstream in(r == 0 ? dir + "/m.jsonl" : dir + "/m.rank" + std::to_string(r) + ".jsonl");
+      for (std::string line; std::getline(in, line);) {
+        auto rec = nlohmann::json::parse(line);
+        if (rec.value("kind", "") != "step") {
+          continue;
+        }
+        ++steps;
+        samples += rec.at("local_batch").get<int64_t>();
+        EXPECT_GE(rec.at("local_batch").get<int64_t>(), 1)
+            << "world " << world << ", rank " << r << ": " << line;
+      }
+    }
+    EXPECT_EQ(samples, epochs * N) << "world " << world;
+    EXPECT_EQ(steps, world * epochs * 3) << "world " << world << ": the tiny rest joins a step";
   }
 }
 

@@ -181,7 +181,8 @@ int run(int argc, char** argv) {
   for (size_t r = 0; r < rankDevices.size(); ++r) {
     const auto& dev = rankDevices[r];
     hddp::RankCost c;
-    const auto emulation = hddp::emulationFromEnv(static_cast<int>(r));
+    const auto emulation =
+        hddp::emulationFromEnv(static_cast<int>(r), static_cast<int>(rankDevices.size()));
     if (!calibrated.count(dev.str())) {
       calibrated[dev.str()] = calibrate(dev, 64);
     }

@@ -111,6 +111,7 @@ struct Rank {
   pid_t pid = -1;
   bool running = false;
   int status = 0;
+  int64_t endedInSweep = -1;  // the reap() sweep that found it ended (order of failures)
   Stream out;
   Stream err;
 };
@@ -201,14 +202,17 @@ class Group {
         break;
       }
       if (!stopping) {
-        for (const auto& r : ranks_) {
-          if (!r.running && (r.status != 0)) {
-            say("rank " + std::to_string(r.globalRank) + " (pid " + std::to_string(r.pid) + ") " +
-                describeStatus(r.status) + "; stopping the other ranks");
-            result = exitCodeOf(r.status);
-            stopping = true;
-            break;
+        if (const Rank* first = firstFailure()) {
+          say("rank " + std::to_string(first->globalRank) + " (pid " + std::to_string(first->pid) +
+              ") " + describeStatus(first->status) + "; stopping the other ranks");
+          for (const auto& r : ranks_) {
+            if (&r != first && !r.running && r.status != 0) {
+              say("rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status) +
+                  " at the same time");
+            }
           }
+          result = exitCodeOf(first->status);
+          stopping = true;
         }
         if (stopping) {
           signalAll(SIGTERM);
@@ -244,18 +248,35 @@ class Group {
       close(r.err.fd);
     }
     if (result == 0) {
-      for (const auto& r : ranks_) {
-        if (r.status != 0) {
-          result = exitCodeOf(r.status);
-          say("rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
-          break;
-        }
+      if (const Rank* first = firstFailure()) {
+        result = exitCodeOf(first->status);
+        say("rank " + std::to_string(first->globalRank) + " " + describeStatus(first->status));
       }
     }
     return result;
   }
 
  private:
+  // The rank that failed first: the earliest reap sweep (SIGCHLD wakes the launcher,
+  // so a rank is normally reaped alone, before the ranks it brings down); within one
+  // sweep, a rank killed by a signal before one that exited with an error (which is
+  // typically a peer reporting the lost connection), then the lowest rank.
+  const Rank* firstFailure() const {
+    const Rank* first = nullptr;
+    auto before = [](const Rank& a, const Rank& b) {
+      if (a.endedInSweep != b.endedInSweep) {
+        return a.endedInSweep < b.endedInSweep;
+      }
+      return WIFSIGNALED(a.status) && !WIFSIGNALED(b.status);
+    };
+    for (const auto& r : ranks_) {
+      if (!r.running && r.status != 0 && (!first || before(r, *first))) {
+        first = &r;
+      }
+    }
+    return first;
+  }
+
   bool anyRunning() const {
     for (const auto& r : ranks_) {
       if (r.running) {
@@ -266,6 +287,7 @@ class Group {
   }
 
   void reap() {
+    ++sweep_;
     for (auto& r : ranks_) {
       if (!r.running) {
         continue;
@@ -275,6 +297,7 @@ class Group {
       if (done == r.pid) {
         r.running = false;
         r.status = status;
+        r.endedInSweep = sweep_;
       }
     }
   }
@@ -317,9 +340,12 @@ class Group {
       return;
     }
     if (fds[0].revents & POLLIN) {
-      unsigned char sig = 0;
-      if (read(gSignalPipe[0], &sig, 1) == 1) {
-        onSig(static_cast<int>(sig));
+      unsigned char sigs[64];
+      const ssize_t n = read(gSignalPipe[0], sigs, sizeof(sigs));
+      for (ssize_t i = 0; i < n; ++i) {
+        if (sigs[i] != SIGCHLD) {  // SIGCHLD only wakes the loop to reap at once
+          onSig(static_cast<int>(sigs[i]));
+        }
       }
     }
     for (size_t i = 1; i < fds.size(); ++i) {
@@ -341,6 +367,7 @@ class Group {
   int port_;
   int restartCount_;
   std::vector<Rank> ranks_;
+  int64_t sweep_ = 0;
 };
 
 }  // namespace
@@ -356,6 +383,11 @@ int launch(const LaunchConfig& config) {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGHUP, &sa, nullptr);
+  struct sigaction child {};
+  child.sa_handler = onSignal;  // wakes the supervision loop the moment a rank ends
+  sigemptyset(&child.sa_mask);
+  child.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  sigaction(SIGCHLD, &child, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   const int world = config.nnodes * config.nprocPerNode;

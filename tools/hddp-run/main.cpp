@@ -11,7 +11,16 @@
 #include <CLI/CLI.hpp>
 #include <iostream>
 
+#include "cli_checks.h"
 #include "launcher.h"
+
+namespace {
+
+bool isLoopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1" || host == "[::1]";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   hddp::run::LaunchConfig config;
@@ -27,7 +36,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 65536))
       ->capture_default_str();
   app.add_option("--node-rank,--node_rank", config.nodeRank, "Index of this node (0..nnodes-1)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(hddp::cli::nonNegative())
       ->capture_default_str();
   app.add_option("--master-addr,--master_addr", config.masterAddr,
                  "Address of the node that runs rank 0")
@@ -39,12 +48,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--max-restarts,--max_restarts", config.maxRestarts,
                  "Restart the whole group up to this many times after a failure")
-      ->check(CLI::NonNegativeNumber)
+      ->check(hddp::cli::nonNegative())
       ->capture_default_str();
   app.add_option("--grace-period", config.graceSeconds,
                  "Seconds between SIGTERM and SIGKILL when stopping ranks")
-      ->check(CLI::PositiveNumber)
+      ->check(hddp::cli::positive())
       ->capture_default_str();
+  bool standalone = false;
+  app.add_flag("--standalone", standalone,
+               "Single-node job (as torchrun --standalone): loopback only, a free port")
+      ->excludes("--nnodes")
+      ->excludes("--node-rank")
+      ->excludes("--master-addr")
+      ->excludes("--master-port");
   app.add_flag("--no-prefix", config.noPrefix, "Do not prefix output lines with [rank N]");
   try {
     app.parse(argc, argv);
@@ -63,6 +79,16 @@ int main(int argc, char** argv) {
   if (config.nodeRank >= config.nnodes) {
     std::cerr << "hddp-run: --node-rank " << config.nodeRank << " must be below --nnodes "
               << config.nnodes << "\n";
+    return 2;
+  }
+  if (config.nnodes > 1 && (app.count("--master-addr") == 0 || isLoopback(config.masterAddr))) {
+    std::cerr << "hddp-run: with --nnodes " << config.nnodes << " the other nodes must reach the "
+              << "node of rank 0, but --master-addr is "
+              << (app.count("--master-addr") == 0 ? "not given (default " : "") << config.masterAddr
+              << (app.count("--master-addr") == 0 ? ")" : "")
+              << ", a loopback address each node would dial on itself. Give every node the "
+                 "same --master-addr: an address of node 0 on the network the nodes share "
+                 "(e.g. --master-addr 10.0.0.5)\n";
     return 2;
   }
   if (config.nnodes > 1 && config.masterPort == 0) {

@@ -57,7 +57,8 @@ class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {}, Communicator* communicator = nullptr);
 
-  /// loss * scale.
+  /// loss * scale. The scale is float32, so a float16 or bfloat16 loss gives a float32
+  /// scaled loss (type promotion, as PyTorch): 2^16 would be inf in float16.
   at::Tensor scale(const at::Tensor& loss);
   /// Divides this optimizer's gradients by the scale (once per step) and records
   /// whether any is inf/NaN. Call before clipping.
@@ -67,6 +68,8 @@ class GradScaler {
   bool step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off after a skipped step, grows it after growthInterval good
   /// steps. Call once per iteration, after step().
+  /// A rank without samples in a step calls unscale/step/update without scale(): it
+  /// takes part in the found-inf agreement with the scale every rank has.
   void update();
 
   double currentScale() const;
@@ -79,6 +82,7 @@ class GradScaler {
 
  private:
   void lazyInit(const at::Device& device);
+  void initWithoutLoss(torch::optim::Optimizer& optimizer);
   at::Tensor foundInfFor(torch::optim::Optimizer& optimizer);
 
   GradScalerOptions options_;

@@ -52,8 +52,9 @@ BatchPlan solveSplit(const std::vector<RankCost>& ranks, int64_t globalBatch);
 BatchPlan equalSplit(int worldSize, int64_t globalBatch);
 
 /// `plan` rescaled to `total` samples by largest remainders (deterministic), e.g. for
-/// the last, partial batch of an epoch.
-BatchPlan scalePlan(const BatchPlan& plan, int64_t total);
+/// the last, partial batch of an epoch; every rank gets at least `minLocal` (taken from
+/// the largest shares). Needs total >= ranks x minLocal.
+BatchPlan scalePlan(const BatchPlan& plan, int64_t total, int64_t minLocal = 0);
 
 /// Max over ranks of ranks[i].predict(plan.local[i]).
 double predictedSeconds(const std::vector<RankCost>& ranks, const std::vector<int64_t>& local);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace hddp {
 
@@ -25,15 +26,27 @@ struct EmulationOptions {
   /// forward pass, as a card out of memory does. 0 = off.
   int64_t memoryCapSamples = 0;
   bool active() const { return slowdown != 1.0 || linkBytesPerSecond > 0 || memoryCapSamples > 0; }
+  /// ConfigError naming `rank` for a slowdown below 1, above 1e6 or not finite (inf
+  /// would sleep forever), a negative or infinite bandwidth, a negative cap.
+  void validate(int rank) const;
 };
 
-/// This rank's emulation from HDDP_EMULATE_SLOWDOWN / _LINK_GBPS / _MEMORY_CAP; throws
-/// hddp::ConfigError on malformed values.
-EmulationOptions emulationFromEnv(int rank);
+/// This rank's emulation from HDDP_EMULATE_SLOWDOWN / _LINK_GBPS / _MEMORY_CAP in a job
+/// of `worldSize` ranks; throws hddp::ConfigError on malformed values, naming the
+/// variable (every item is checked, not only this rank's).
+EmulationOptions emulationFromEnv(int rank, int worldSize);
 
-/// Parses "1:3,2:1.5" or "2.0" (all ranks) for `rank`; `fallback` when not listed.
-double parseRankValue(const std::string& variable, const std::string& text, int rank,
-                      double fallback);
+/// Parses a per-rank list, "1:3,2:1.5" (listed ranks) or "2.0" (every rank), for a job of
+/// `worldSize` ranks: one value per rank, `fallback` where not listed. ConfigError naming
+/// `variable` for an item that is not rank:value, a rank outside 0..worldSize-1, a rank
+/// listed twice, or a value that is not a finite number.
+std::vector<double> parseRankValues(const std::string& variable, const std::string& text,
+                                    int worldSize, double fallback);
+
+/// parseRankValues for memory caps: a listed cap is a whole number of samples >= 1
+/// (0 is an error, not "no cap"); an unlisted rank gets 0 = no cap.
+std::vector<int64_t> parseRankCaps(const std::string& variable, const std::string& text,
+                                   int worldSize);
 
 class Emulator {
  public:

@@ -43,6 +43,9 @@ struct CommunicatorOptions {
   /// Gloo: network interface to bind (empty = HDDP_GLOO_INTERFACE, else hostname,
   /// falling back to loopback).
   std::string glooInterface;
+  /// Gloo: address to bind when no interface is given (empty = this host's name).
+  /// initFromEnv sets 127.0.0.1 when MASTER_ADDR is a loopback address (one node).
+  std::string glooHostname;
   /// Gloo worker threads. Default 0 = HDDP_GLOO_THREADS (2).
   int glooThreads = 0;
   /// NCCL: the CUDA device this rank uses. Ignored by Gloo.

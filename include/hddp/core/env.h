@@ -61,6 +61,12 @@ Resolved<std::string> resolveString(const std::string& name,
 inline bool getBool(const std::string& name) { return resolveBool(name).value; }
 inline int64_t getInt(const std::string& name) { return resolveInt(name).value; }
 inline double getFloat(const std::string& name) { return resolveFloat(name).value; }
+
+/// The longest HDDP_TIMEOUT_SEC taken: a year (more would overflow the milliseconds).
+constexpr int64_t kMaxTimeoutSeconds = 365LL * 24 * 3600;
+/// HDDP_TIMEOUT_SEC (0 = unset: the backend's default); ConfigError when negative or
+/// above kMaxTimeoutSeconds.
+std::chrono::seconds timeoutFromEnv();
 inline std::string getString(const std::string& name) { return resolveString(name).value; }
 
 // Parsers shared with other environment readers (launcher variables).

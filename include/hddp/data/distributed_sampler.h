@@ -6,8 +6,13 @@
 // middle of an epoch, every sample is used exactly once per epoch across all ranks.
 // Last partial batch: with dropLast the epoch ends when fewer than plan.global indices
 // remain (they are not used this epoch); otherwise the last step takes them all, the
-// plan rescaled to that size (scalePlan). The state (epoch, position) can be saved and
-// restored to resume in the middle of an epoch.
+// plan rescaled to that size (scalePlan). With minLocalBatch (SyncBatchNorm, or any
+// model whose forward needs every rank), every rank gets at least that many samples in
+// every step: when what would be left for the last step cannot give every rank its
+// minimum (fewer than ranks x minLocalBatch samples), the step before takes it too, so
+// that step is larger than plan.global (its StepShare::globalBatch says by how much;
+// DDP weights by it, so the gradient is still the exact mean). Nothing is dropped. The
+// state (epoch, position) can be saved and restored to resume in the middle of an epoch.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +28,9 @@ struct SamplerOptions {
   bool shuffle = true;
   /// Drop the last partial batch of an epoch. Default false (keep it, rescaled).
   bool dropLast = false;
+  /// Every rank gets at least this many samples in every step (see above). Default 0:
+  /// a rank may get none (it then calls DistributedDataParallel::finalize()).
+  int64_t minLocalBatch = 0;
 };
 
 /// What one rank trains on in one step.
@@ -56,6 +64,8 @@ class DistributedSampler {
   int64_t epoch() const { return epoch_; }
   /// Indices remaining in this epoch.
   int64_t remaining() const { return size_ - position_; }
+  /// Samples the next step under `plan` takes (its StepShare::globalBatch).
+  int64_t nextStepSize(const BatchPlan& plan) const;
 
  private:
   int64_t size_;

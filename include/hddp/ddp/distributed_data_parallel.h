@@ -19,11 +19,22 @@
 //     optimizer.step();
 //   }
 //
-// A rank with no samples in a step (b_i = 0) calls `ddp.finalize()` instead of
-// backward; it contributes zeros and receives the others' gradients.
+// A rank with no samples in a step (b_i = 0) calls `ddp.setBatch(0, B)` and then
+// `ddp.finalize()` instead of backward; it contributes zeros and receives the others'
+// gradients. (A rank that runs forward and backward on an empty batch also contributes
+// exact zeros: a zero share's gradients are replaced by zeros, never NaN x 0.)
 // Gradient accumulation: inside `auto guard = ddp.noSync();` backward only
 // accumulates (still weighted); the next synchronized backward communicates once.
 // Pass each micro-step's own b and the B of the whole optimizer step.
+// Two synchronized backwards without clearing the gradients in between
+// (`loss1.backward(); loss2.backward();`) give PyTorch's result: each backward's
+// gradient is reduced once and the two add up.
+//
+// The module's parameters must all be on one device (ConfigError otherwise). Tied
+// parameters (one tensor registered under several names) are synchronized once.
+// Sparse gradients (Embedding with sparse=true) are made dense for the allreduce.
+// Hooks live in each parameter's autograd metadata, so Module::load() after wrapping
+// keeps them.
 //
 // Not thread-safe: one training loop per instance. The communicator must outlive it.
 #pragma once
@@ -128,6 +139,7 @@ class DistributedDataParallel {
 
   /// This rank's samples in the coming backward and the global batch of the optimizer
   /// step (all ranks, all accumulated micro-steps). Gradients are scaled by local/global.
+  /// Also marks the start of a new step for finalize().
   void setBatch(int64_t localBatch, int64_t globalBatch);
 
   /// RAII scope in which backward accumulates gradients without communicating.
@@ -146,7 +158,10 @@ class DistributedDataParallel {
 
   /// Completes the step's gradient synchronization. Called automatically at the end of
   /// a synchronized backward; call it yourself when this rank ran no backward in the
-  /// step (b_i = 0): it then contributes zero gradients. A no-op when already done.
+  /// step (b_i = 0): it then contributes zero gradients. A no-op when the step is
+  /// already synchronized, i.e. when no setBatch() and no gradient came since the last
+  /// synchronized step ended: so a rank without samples calls setBatch(0, B) in every
+  /// step before finalize().
   void finalize();
 
   /// For a rank that cannot finish its forward or backward in this step (it ran out of

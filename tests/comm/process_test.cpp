@@ -148,8 +148,10 @@ TEST(HddpRun, NamesTheFirstRankToFailNotTheLowest) {
 // store's timeout (30 minutes).
 TEST(HddpRun, SeveralNodesNeedAMasterAddressTheOthersCanReach) {
   for (const std::string addr : {"", " --master-addr 127.0.0.1"}) {
-    auto r = runCommand(launcher() + " --nnodes 2 --node-rank 1 --master-port 29517" + addr +
-                        " -- " + worker() + " allreduce");
+    // (timeout: without the check, node 1 would wait for a store on its own loopback)
+    auto r =
+        runCommand("timeout 30 " + launcher() + " --nnodes 2 --node-rank 1 --master-port 29517" +
+                   addr + " -- " + worker() + " allreduce");
     EXPECT_EQ(r.exitCode, 2) << r.output;
     EXPECT_NE(r.output.find("--master-addr"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("loopback"), std::string::npos) << r.output;

@@ -5,10 +5,10 @@
 //   worker fail-once RANK CODE  like fail, but only when TORCHELASTIC_RESTART_COUNT is 0
 //   worker listening            after an allreduce, prints each TCP socket this process
 //                               listens on: "listen ADDR loopback" or "listen ADDR EXPOSED"
-//   worker cascade DIR          rank 1 writes its pid to DIR/pid and kills itself
-//                               (SIGKILL); rank 0 exits with code 1 as soon as rank 1
-//                               has ended (as a peer that loses its connection does); the
-//                               others wait
+//   worker cascade DIR          rank 1 writes its pid to DIR/pid, leaves a child that
+//                               holds its output open and kills itself (SIGKILL); rank 0 exits with
+//                               code 1 as soon as rank 1 has ended (as a peer that loses its
+//                               connection does); the others wait
 #include <ATen/ATen.h>
 #include <dirent.h>
 #include <signal.h>
@@ -97,6 +97,12 @@ int main(int argc, char** argv) {
       if (ctx.rank() == 1) {
         std::ofstream(pidFile + ".tmp") << getpid() << "\n";
         std::rename((pidFile + ".tmp").c_str(), pidFile.c_str());
+        // A child keeps this rank's output pipes open, so its death does not wake the
+        // launcher through them (as when a rank's own children outlive it).
+        if (fork() == 0) {
+          std::this_thread::sleep_for(std::chrono::seconds(3));
+          _exit(0);
+        }
         raise(SIGKILL);
       }
       if (ctx.rank() == 0) {
@@ -114,8 +120,9 @@ int main(int argc, char** argv) {
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
-        std::fprintf(stderr, "worker: rank 0 lost its peer\n");
-        return 1;
+        // At once and silently: output, or the slow teardown of a normal exit, would let
+        // the launcher see rank 1 alone first even without waking on SIGCHLD.
+        _exit(1);
       }
       std::this_thread::sleep_for(std::chrono::minutes(10));
       return 0;

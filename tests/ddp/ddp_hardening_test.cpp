@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 #include <sstream>
 
 #include "hddp/comm/communicator.h"
@@ -71,6 +72,29 @@ Batch makeBatch(int64_t n, int seed) {
   return {torch::randn({n, 6}), torch::randint(0, 3, {n}, torch::kLong)};
 }
 
+// Runs `world` ranks (threads), each with a model from `make` that starts as
+// `reference` and a DDP wrapper around it; `step` trains this rank's part. Expects every
+// rank's gradients to equal `expected` (single-device training on the whole batch).
+template <typename Holder, typename Step>
+void expectGradientsOfTheWholeBatch(int world, Holder& reference,
+                                    const std::vector<torch::Tensor>& expected,
+                                    const std::function<Holder()>& make, Step&& step) {
+  std::vector<double> diffs(world, 1e9);
+  runThreads(world, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Holder model = make();
+    copyParams(*reference, *model);
+    hddp::DistributedDataParallel ddp(model, *comm);
+    step(rank, size, model, ddp);
+    diffs[rank] = maxGradDiff(gradsOf(*model), expected);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_LT(diffs[r], 1e-6) << "world " << world << ", rank " << r;
+  }
+}
+
+const std::function<torch::nn::Sequential()> kNet = makeNet;
+
 // loss1.backward(); loss2.backward() without clearing: PyTorch's result is the sum of
 // both batches' gradients, each reduced once (it used to be world x the first + the
 // second).
@@ -84,22 +108,14 @@ TEST(DdpHardening, SecondBackwardWithoutClearingAddsEachGradientOnce) {
     loss(reference, b1.x, b1.y).backward();
     loss(reference, b2.x, b2.y).backward();
     const auto expected = gradsOf(*reference);
-    std::vector<double> diffs(world, 1e9);
-    runThreads(world, [&](int rank, int size, hddp::Store& store) {
-      auto comm = hddp::makeCommunicator(store, rank, size);
-      auto net = makeNet();
-      copyParams(*reference, *net);
-      hddp::DistributedDataParallel ddp(net, *comm);  // equal shares: no setBatch needed
-      const int64_t b = B / size;
-      auto mine1 = b1.slice(rank * b, b);
-      auto mine2 = b2.slice(rank * b, b);
-      loss(net, mine1.x, mine1.y).backward();
-      loss(net, mine2.x, mine2.y).backward();
-      diffs[rank] = maxGradDiff(gradsOf(*net), expected);
-    });
-    for (int r = 0; r < world; ++r) {
-      EXPECT_LT(diffs[r], 1e-6) << "world " << world << ", rank " << r;
-    }
+    expectGradientsOfTheWholeBatch(
+        world, reference, expected, kNet, [&](int rank, int size, auto& net, auto& ddp) {
+          const int64_t b = B / size;  // equal shares: no setBatch needed
+          auto mine1 = b1.slice(rank * b, b);
+          auto mine2 = b2.slice(rank * b, b);
+          loss(net, mine1.x, mine1.y).backward();
+          loss(net, mine2.x, mine2.y).backward();
+        });
   }
 }
 
@@ -110,22 +126,15 @@ TEST(DdpHardening, FinalizeAfterBackwardIsANoOp) {
   auto batch = makeBatch(B, 21);
   loss(reference, batch.x, batch.y).backward();
   const auto expected = gradsOf(*reference);
-  std::vector<double> diffs(2, 1e9);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    auto net = makeNet();
-    copyParams(*reference, *net);
-    hddp::DistributedDataParallel ddp(net, *comm);
-    const int64_t b = rank == 0 ? 3 : 5;
-    ddp.setBatch(b, B);
-    auto mine = batch.slice(rank == 0 ? 0 : 3, b);
-    loss(net, mine.x, mine.y).backward();
-    ddp.finalize();  // documented as a no-op when the step is already synchronized
-    ddp.finalize();
-    diffs[rank] = maxGradDiff(gradsOf(*net), expected);
-  });
-  EXPECT_LT(diffs[0], 1e-6);
-  EXPECT_LT(diffs[1], 1e-6);
+  expectGradientsOfTheWholeBatch(
+      2, reference, expected, kNet, [&](int rank, int, auto& net, auto& ddp) {
+        const int64_t b = rank == 0 ? 3 : 5;
+        ddp.setBatch(b, B);
+        auto mine = batch.slice(rank == 0 ? 0 : 3, b);
+        loss(net, mine.x, mine.y).backward();
+        ddp.finalize();  // documented as a no-op when the step is already synchronized
+        ddp.finalize();
+      });
 }
 
 // One tensor registered under two names (tied weights): PyTorch's DDP synchronizes it
@@ -155,24 +164,18 @@ TEST(DdpHardening, TiedParametersAreWeightedAndSentOnce) {
   auto x = torch::randn({B, 5});
   reference->forward(x).pow(2).mean().backward();
   const auto expected = gradsOf(*reference);
-  std::vector<double> diffs(2, 1e9);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    Tied net;
-    copyParams(*reference, *net);
-    hddp::DistributedDataParallel ddp(net, *comm);
-    size_t names = 0;
-    for (const auto& bucket : ddp.bucketLayout()) {
-      names += bucket.size();
-    }
-    EXPECT_EQ(names, 3u) << "w, b1, b2: the tied weight once";
-    const int64_t b = rank == 0 ? 2 : 6;
-    ddp.setBatch(b, B);
-    net->forward(x.narrow(0, rank == 0 ? 0 : 2, b)).pow(2).mean().backward();
-    diffs[rank] = maxGradDiff(gradsOf(*net), expected);
-  });
-  EXPECT_LT(diffs[0], 1e-6);
-  EXPECT_LT(diffs[1], 1e-6);
+  expectGradientsOfTheWholeBatch(
+      2, reference, expected, std::function<Tied()>([] { return Tied(); }),
+      [&](int rank, int, auto& net, auto& ddp) {
+        size_t names = 0;
+        for (const auto& bucket : ddp.bucketLayout()) {
+          names += bucket.size();
+        }
+        EXPECT_EQ(names, 3u) << "w, b1, b2: the tied weight once";
+        const int64_t b = rank == 0 ? 2 : 6;
+        ddp.setBatch(b, B);
+        net->forward(x.narrow(0, rank == 0 ? 0 : 2, b)).pow(2).mean().backward();
+      });
 }
 
 // A user with equal batches never calls setBatch; Module::load() after wrapping must
@@ -222,24 +225,18 @@ TEST(DdpHardening, EmptyBatchForwardAndBackwardContributesZeros) {
   auto batch = makeBatch(B, 51);
   reference->loss(batch.x, batch.y).backward();
   const auto expected = gradsOf(*reference);
-  std::vector<double> diffs(2, 1e9);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    WeightedLoss model;
-    copyParams(*reference, *model);
-    hddp::DistributedDataParallel ddp(model, *comm);
-    const int64_t b = rank == 0 ? B : 0;
-    ddp.setBatch(b, B);
-    auto mine = batch.slice(0, b);
-    auto l = model->loss(mine.x, mine.y);
-    if (rank == 1) {
-      EXPECT_TRUE(std::isnan(l.item<double>())) << "an empty batch's mean loss is NaN";
-    }
-    l.backward();
-    diffs[rank] = maxGradDiff(gradsOf(*model), expected);
-  });
-  EXPECT_LT(diffs[0], 1e-6);
-  EXPECT_LT(diffs[1], 1e-6);
+  expectGradientsOfTheWholeBatch(
+      2, reference, expected, std::function<WeightedLoss()>([] { return WeightedLoss(); }),
+      [&](int rank, int, auto& model, auto& ddp) {
+        const int64_t b = rank == 0 ? B : 0;
+        ddp.setBatch(b, B);
+        auto mine = batch.slice(0, b);
+        torch::Tensor l = model->loss(mine.x, mine.y);
+        if (rank == 1) {
+          EXPECT_TRUE(std::isnan(l.item<double>())) << "an empty batch's mean loss is NaN";
+        }
+        l.backward();
+      });
 }
 
 TEST(DdpHardening, ModuleOnTwoDevicesIsAConfigErrorThatNamesBoth) {
@@ -284,19 +281,13 @@ TEST(DdpHardening, SparseGradientsAreSynchronizedExactly) {
   for (auto& p : reference->parameters()) {
     expected.push_back(p.grad().is_sparse() ? p.grad().to_dense() : p.grad().clone());
   }
-  std::vector<double> diffs(2, 1e9);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    Bag net;
-    copyParams(*reference, *net);
-    hddp::DistributedDataParallel ddp(net, *comm);
-    const int64_t b = rank == 0 ? 3 : 5;
-    ddp.setBatch(b, B);
-    net->forward(ids.narrow(0, rank == 0 ? 0 : 3, b)).pow(2).mean().backward();
-    diffs[rank] = maxGradDiff(gradsOf(*net), expected);
-  });
-  EXPECT_LT(diffs[0], 1e-6);
-  EXPECT_LT(diffs[1], 1e-6);
+  expectGradientsOfTheWholeBatch(
+      2, reference, expected, std::function<Bag()>([] { return Bag(); }),
+      [&](int rank, int, auto& net, auto& ddp) {
+        const int64_t b = rank == 0 ? 3 : 5;
+        ddp.setBatch(b, B);
+        net->forward(ids.narrow(0, rank == 0 ? 0 : 3, b)).pow(2).mean().backward();
+      });
 }
 
 // An error DDP raises at the end of backward (here: a parameter without a gradient)

@@ -269,23 +269,9 @@ std::vector<double> evaluateSharded(
     int64_t sumCount,
     const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& batchSums) {
   // Shares follow the current split (a slower rank evaluates fewer samples).
-  const int world = comm.size();
-  std::vector<double> before(static_cast<size_t>(world) + 1, 0.0);  // prefix sums of weights
-  for (int r = 0; r < world; ++r) {
-    const BatchPlanner* planner = trainer.planner();
-    const double w =
-        planner ? static_cast<double>(planner->plan().local[static_cast<size_t>(r)]) : 1.0;
-    before[static_cast<size_t>(r) + 1] = before[static_cast<size_t>(r)] + w;
-  }
-  const int64_t n = data.size();
-  auto boundary = [&](int r) {
-    return r == world
-               ? n
-               : static_cast<int64_t>(std::floor(static_cast<double>(n) *
-                                                 before[static_cast<size_t>(r)] / before.back()));
-  };
-  const int64_t begin = boundary(comm.rank());
-  const int64_t end = boundary(comm.rank() + 1);
+  const ItemRange shard = shardOf(data.size(), trainer.plan(), comm.rank());
+  const int64_t begin = shard.begin;
+  const int64_t end = shard.end;
 
   const c10::Device device = comm.device();
   at::Tensor total = at::zeros({sumCount}, at::TensorOptions().dtype(at::kDouble).device(device));

@@ -180,4 +180,30 @@ BatchPlan solveSplit(const std::vector<RankCost>& ranks, int64_t globalBatch) {
   return plan;
 }
 
+ItemRange shardOf(int64_t items, const BatchPlan& plan, int rank) {
+  const auto n = static_cast<int>(plan.local.size());
+  HDDP_CHECK(items >= 0, "shardOf: ", items, " items");
+  HDDP_CHECK(rank >= 0 && rank < n, "shardOf: rank ", rank, " is outside a plan of ", n, " ranks");
+  int64_t total = 0;
+  for (int64_t b : plan.local) {
+    HDDP_CHECK(b >= 0, "shardOf: the plan ", plan.describe(), " has a negative share");
+    total += b;
+  }
+  // The first item of rank r's part: items x (shares before r) / total, rounded down.
+  auto boundary = [&](int r) -> int64_t {
+    if (r == n) {
+      return items;
+    }
+    if (total == 0) {
+      return static_cast<int64_t>(static_cast<__int128>(items) * r / n);
+    }
+    int64_t before = 0;
+    for (int i = 0; i < r; ++i) {
+      before += plan.local[static_cast<size_t>(i)];
+    }
+    return static_cast<int64_t>(static_cast<__int128>(items) * before / total);
+  };
+  return ItemRange{boundary(rank), boundary(rank + 1)};
+}
+
 }  // namespace hddp

@@ -1,5 +1,7 @@
 #include "hddp/balance/planner.h"
 
+#include <torch/serialize/archive.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -272,6 +274,68 @@ void BatchPlanner::restore(const State& state) {
     measured_ = measured_ && c.secondsPerSample > 0;
   }
   HDDP_LOG_INFO("balance", "resumed at step ", step_, " with plan ", plan_.describe());
+}
+
+namespace {
+
+at::Tensor doubles(const std::vector<double>& v) {
+  return at::tensor(v.empty() ? std::vector<double>{} : v, at::kDouble);
+}
+
+at::Tensor readEntry(torch::serialize::InputArchive& archive, const char* key) {
+  at::Tensor t;
+  HDDP_CHECK_AS(StateError, archive.try_read(key, t), "the planner's state has no '", key,
+                "' (written by another program or an incompatible hddp version?)");
+  return t.contiguous();
+}
+
+}  // namespace
+
+void BatchPlanner::save(torch::serialize::OutputArchive& shared,
+                        torch::serialize::OutputArchive& own) const {
+  shared.write("plan", at::tensor(plan_.local, at::kLong));
+  shared.write("step", at::tensor(std::vector<int64_t>{step_}, at::kLong));
+  std::vector<double> costs;
+  std::vector<int64_t> caps;  // -1 = none
+  for (const auto& c : costs_) {
+    costs.push_back(c.secondsPerSample);
+  }
+  for (int64_t cap : memoryCaps()) {
+    caps.push_back(cap == std::numeric_limits<int64_t>::max() ? -1 : cap);
+  }
+  shared.write("costs", doubles(costs));
+  shared.write("caps", at::tensor(caps, at::kLong));
+  own.write("window", doubles({secondsPerSample_.begin(), secondsPerSample_.end()}));
+}
+
+void BatchPlanner::load(torch::serialize::InputArchive& shared,
+                        torch::serialize::InputArchive& own) {
+  State state;
+  const at::Tensor plan = readEntry(shared, "plan");
+  state.plan.local.assign(plan.data_ptr<int64_t>(), plan.data_ptr<int64_t>() + plan.numel());
+  state.plan.global = options_.globalBatch;
+  const at::Tensor step = readEntry(shared, "step");
+  HDDP_CHECK_AS(StateError, step.numel() == 1, "the planner's state has a malformed step");
+  state.step = step.item<int64_t>();
+  const at::Tensor window = readEntry(own, "window");
+  state.window.assign(window.data_ptr<double>(), window.data_ptr<double>() + window.numel());
+  const at::Tensor costs = readEntry(shared, "costs");
+  for (int64_t i = 0; i < costs.numel(); ++i) {
+    RankCost c;
+    c.secondsPerSample = costs.data_ptr<double>()[i];
+    state.costs.push_back(c);
+  }
+  const at::Tensor caps = readEntry(shared, "caps");
+  if (caps.numel() == comm_.size()) {
+    state.costs.resize(static_cast<size_t>(comm_.size()));
+    for (int64_t i = 0; i < caps.numel(); ++i) {
+      const int64_t cap = caps.data_ptr<int64_t>()[i];
+      if (cap >= 0) {
+        state.costs[static_cast<size_t>(i)].maxSamples = cap;
+      }
+    }
+  }
+  restore(state);
 }
 
 }  // namespace hddp

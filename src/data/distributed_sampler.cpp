@@ -1,5 +1,7 @@
 #include "hddp/data/distributed_sampler.h"
 
+#include <torch/serialize/archive.h>
+
 #include <numeric>
 
 #include "hddp/core/error.h"
@@ -90,6 +92,19 @@ void DistributedSampler::restore(const State& state) {
              size_, " samples (was the state saved for another dataset?)");
   setEpoch(state.epoch);
   position_ = state.position;
+}
+
+void DistributedSampler::State::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("sampler", at::tensor(std::vector<int64_t>{epoch, position}, at::kLong));
+}
+
+DistributedSampler::State DistributedSampler::State::load(torch::serialize::InputArchive& archive) {
+  at::Tensor t;
+  HDDP_CHECK_AS(StateError, archive.try_read("sampler", t) && t.numel() == 2,
+                "the state has no sampler position (written by another program or an "
+                "incompatible hddp version?)");
+  t = t.contiguous();
+  return State{t.data_ptr<int64_t>()[0], t.data_ptr<int64_t>()[1]};
 }
 
 }  // namespace hddp

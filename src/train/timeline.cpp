@@ -30,9 +30,9 @@ std::string Timeline::serialize(int rank) const {
       out << ",";
     }
     first = false;
-    out << "{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"pid\":" << rank << ",\"tid\":" << e.track
-        << ",\"ts\":" << micros(e.begin) << ",\"dur\":" << micros(e.end) - micros(e.begin)
-        << ",\"args\":{\"step\":" << e.step;
+    out << "{\"name\":\"" << e.name << "\",\"ph\":\"X\",\"pid\":" << rank
+        << ",\"tid\":" << static_cast<int>(e.track) << ",\"ts\":" << micros(e.begin)
+        << ",\"dur\":" << micros(e.end) - micros(e.begin) << ",\"args\":{\"step\":" << e.step;
     if (e.value >= 0) {
       out << ",\"value\":" << e.value;
     }

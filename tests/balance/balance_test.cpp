@@ -1,11 +1,13 @@
 // The split solver against brute force, the planner's rule, and the sampler's
 // exactly-once property under changing plans.
 #include <gtest/gtest.h>
+#include <torch/serialize/archive.h>
 
 #include <functional>
 #include <limits>
 #include <random>
 #include <set>
+#include <sstream>
 
 #include "hddp/balance/batch_plan.h"
 #include "hddp/balance/emulation.h"
@@ -273,6 +275,45 @@ TEST(Planner, StateRestoresPlanStepAndWindow) {
   });
 }
 
+// save()/load() through archives (what the Trainer's state files hold): the shared part
+// and each rank's own window come back, and so do the memory caps.
+TEST(Planner, SaveAndLoadThroughArchivesKeepPlanStepWindowAndCaps) {
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PlannerOptions o(60);
+    o.rebalanceEvery = 3;
+    hddp::BatchPlanner planner(*comm, o);
+    planner.setMemoryCap(1, 25);
+    const double perSample = rank == 0 ? 0.01 : 0.03;
+    for (int step = 0; step < 4; ++step) {
+      planner.record(planner.localBatch(), planner.localBatch() * perSample);
+      planner.endStep();
+    }
+    torch::serialize::OutputArchive shared;
+    torch::serialize::OutputArchive own;
+    planner.save(shared, own);
+    std::ostringstream sharedBytes;
+    std::ostringstream ownBytes;
+    shared.save_to(sharedBytes);
+    own.save_to(ownBytes);
+    torch::serialize::InputArchive sharedIn;
+    torch::serialize::InputArchive ownIn;
+    const std::string a = sharedBytes.str();
+    const std::string b = ownBytes.str();
+    sharedIn.load_from(a.data(), a.size());
+    ownIn.load_from(b.data(), b.size());
+    hddp::BatchPlanner resumed(*comm, o);
+    resumed.load(sharedIn, ownIn);
+    EXPECT_EQ(resumed.plan().local, planner.plan().local);
+    EXPECT_EQ(resumed.step(), 4);
+    EXPECT_EQ(resumed.state().window, planner.state().window);
+    EXPECT_EQ(resumed.memoryCaps(), planner.memoryCaps());
+    EXPECT_EQ(resumed.memoryCaps()[1], 25);
+    torch::serialize::InputArchive empty;
+    EXPECT_THROW(resumed.load(empty, empty), hddp::StateError);
+  });
+}
+
 TEST(Planner, MemoryCapsBoundThePlanAndSurviveUpdates) {
   hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
@@ -397,6 +438,50 @@ TEST(DistributedSampler, MinimumShareMergesATinyRestIntoTheStepBefore) {
       EXPECT_EQ(used[i], 1) << "sample " << i;
     }
   }
+}
+
+TEST(BatchPlan, ShardOfFollowsThePlanAndCoversEveryItemOnce) {
+  BatchPlan plan;
+  plan.local = {96, 32, 0};
+  plan.global = 128;
+  std::vector<hddp::ItemRange> parts;
+  for (int r = 0; r < 3; ++r) {
+    parts.push_back(hddp::shardOf(1000, plan, r));
+  }
+  EXPECT_EQ(parts[0].begin, 0);
+  EXPECT_EQ(parts[0].end, 750);
+  EXPECT_EQ(parts[1].begin, 750);
+  EXPECT_EQ(parts[1].end, 1000);
+  EXPECT_EQ(parts[2].size(), 0);
+  // Uneven: the boundaries round down and the parts still follow each other.
+  plan.local = {1, 1, 1};
+  plan.global = 3;
+  int64_t next = 0;
+  for (int r = 0; r < 3; ++r) {
+    const auto part = hddp::shardOf(10, plan, r);
+    EXPECT_EQ(part.begin, next);
+    next = part.end;
+  }
+  EXPECT_EQ(next, 10);
+  EXPECT_EQ(hddp::shardOf(10, plan, 0).size(), 3);
+  EXPECT_THROW(hddp::shardOf(10, plan, 3), hddp::Error);
+  plan.local = {0, 0};
+  EXPECT_EQ(hddp::shardOf(10, plan, 1).begin, 5);  // no shares: equal parts
+}
+
+TEST(DistributedSampler, StateSavesAndLoadsThroughAnArchive) {
+  torch::serialize::OutputArchive out;
+  hddp::DistributedSampler::State{3, 417}.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  const std::string text = bytes.str();
+  torch::serialize::InputArchive in;
+  in.load_from(text.data(), text.size());
+  const auto state = hddp::DistributedSampler::State::load(in);
+  EXPECT_EQ(state.epoch, 3);
+  EXPECT_EQ(state.position, 417);
+  torch::serialize::InputArchive empty;
+  EXPECT_THROW(hddp::DistributedSampler::State::load(empty), hddp::StateError);
 }
 
 TEST(DistributedSampler, ResumesMidEpochAndReshufflesPerEpoch) {

@@ -56,6 +56,19 @@ BatchPlan equalSplit(int worldSize, int64_t globalBatch);
 /// the largest shares). Needs total >= ranks x minLocal.
 BatchPlan scalePlan(const BatchPlan& plan, int64_t total, int64_t minLocal = 0);
 
+/// Items [begin, end) of a collection.
+struct ItemRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t size() const { return end - begin; }
+};
+
+/// `rank`'s contiguous part of `items` items split in proportion to the plan's shares,
+/// e.g. an evaluation set spread like the training batch, so each rank's evaluation time
+/// follows its speed. The parts of ranks 0..n-1 follow each other and cover every item
+/// exactly once. A plan whose shares sum to 0 splits equally.
+ItemRange shardOf(int64_t items, const BatchPlan& plan, int rank);
+
 /// Max over ranks of ranks[i].predict(plan.local[i]).
 double predictedSeconds(const std::vector<RankCost>& ranks, const std::vector<int64_t>& local);
 

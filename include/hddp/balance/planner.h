@@ -21,9 +21,10 @@
 
 namespace hddp {
 
-struct PlannerOptions {
-  explicit PlannerOptions(int64_t globalBatch) : globalBatch(globalBatch) {}
-  int64_t globalBatch;
+/// How the planner measures and decides; the global batch is given apart from these
+/// (TrainerOptions::planner holds only these, its global batch is TrainerOptions'). The
+/// defaults are those of a BatchPlanner built alone.
+struct PlannerSettings {
   /// Steps between plan updates. Default 10.
   int rebalanceEvery = 10;
   /// Warm start: the first plan update after this many (calibration) steps, then
@@ -43,6 +44,12 @@ struct PlannerOptions {
   /// Smallest share per rank (1 with SyncBatchNorm, whose layers need a sample on every
   /// rank). Default 0.
   int64_t minLocalBatch = 0;
+};
+
+struct PlannerOptions : PlannerSettings {
+  explicit PlannerOptions(int64_t globalBatch, const PlannerSettings& settings = {})
+      : PlannerSettings(settings), globalBatch(globalBatch) {}
+  int64_t globalBatch;
 };
 
 class BatchPlanner {
@@ -89,6 +96,13 @@ class BatchPlanner {
   /// Restores a state saved at the same world size and global batch; throws
   /// hddp::ConfigError naming what differs.
   void restore(const State& state);
+  /// Writes the state every rank shares (plan, step, estimates, memory caps) into
+  /// `shared` and this rank's own measurement window into `own`: what the Trainer's
+  /// state files keep of the planner.
+  void save(torch::serialize::OutputArchive& shared, torch::serialize::OutputArchive& own) const;
+  /// Reads what save() wrote (restore() rules apply); hddp::StateError when an entry is
+  /// missing.
+  void load(torch::serialize::InputArchive& shared, torch::serialize::InputArchive& own);
 
   /// The planning rule itself, without communication: the plan all ranks derive from
   /// `estimates` (and each rank's relative noise, e.g. MAD/median of its window), given

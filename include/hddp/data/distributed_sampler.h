@@ -20,6 +20,13 @@
 
 #include "hddp/balance/batch_plan.h"
 
+namespace torch {
+namespace serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace serialize
+}  // namespace torch
+
 namespace hddp {
 
 struct SamplerOptions {
@@ -56,6 +63,10 @@ class DistributedSampler {
   struct State {
     int64_t epoch = 0;
     int64_t position = 0;
+    /// As "sampler" in `archive` (the Trainer's state files).
+    void save(torch::serialize::OutputArchive& archive) const;
+    /// hddp::StateError when `archive` has no sampler state.
+    static State load(torch::serialize::InputArchive& archive);
   };
   State state() const { return {epoch_, position_}; }
   void restore(const State& state);

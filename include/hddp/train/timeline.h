@@ -15,6 +15,14 @@ namespace hddp {
 
 class Communicator;
 
+/// A timeline row of a rank.
+enum class Track : int {
+  /// The training thread's phases.
+  Training = 0,
+  /// Each gradient bucket's allreduce and other collectives.
+  Communication = 1,
+};
+
 class Timeline {
  public:
   using Clock = std::chrono::steady_clock;
@@ -23,10 +31,10 @@ class Timeline {
   bool enabled() const { return enabled_; }
   /// Time zero (call right after a barrier, on every rank).
   void setOrigin(Clock::time_point origin) { origin_ = origin; }
-  /// A phase [begin, end) of `step` on `track` (0: training thread, 1: communication).
-  /// `name` must be a string literal (it is kept as a pointer).
+  /// A phase [begin, end) of `step` on `track`, with an optional `value` (samples,
+  /// bytes; -1 = none). `name` must be a string literal (it is kept as a pointer).
   void add(const char* name, Clock::time_point begin, Clock::time_point end, int64_t step,
-           int track = 0, int64_t value = -1) {
+           Track track = Track::Training, int64_t value = -1) {
     if (enabled_) {
       events_.push_back(Event{name, begin, end, step, track, value});
     }
@@ -44,7 +52,7 @@ class Timeline {
     Clock::time_point begin;
     Clock::time_point end;
     int64_t step;
-    int track;
+    Track track;
     int64_t value;
   };
   bool enabled_;

@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "hddp/amp/amp_mode.h"
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/balance/planner.h"
@@ -42,17 +43,6 @@ class Optimizer;
 }  // namespace torch
 
 namespace hddp {
-
-enum class AmpMode {
-  Off,
-  /// bfloat16 autocast (CPU and CUDA); no loss scaling needed.
-  Bf16,
-  /// float16 autocast (CUDA) with dynamic loss scaling (GradScaler).
-  Fp16,
-};
-/// "off", "bf16", "fp16"; throws hddp::ConfigError otherwise.
-AmpMode parseAmpMode(const std::string& text);
-const char* ampModeName(AmpMode mode) noexcept;
 
 enum class ProgressMode {
   /// A live bar on rank 0 when stderr is a terminal, plain lines otherwise. Default.
@@ -77,9 +67,9 @@ struct TrainerOptions {
   /// Split the global batch by measured speed (BatchPlanner); false = equal split as
   /// PyTorch DDP. Default true.
   bool balance = true;
-  /// Planner settings (its globalBatch is taken from globalBatch above). The default
-  /// plans first after 3 calibration steps, then every 10 steps.
-  PlannerOptions planner = defaultPlannerOptions();
+  /// How the planner measures and decides (the batch it splits is globalBatch above).
+  /// The default plans first after 3 calibration steps, then every 10 steps.
+  PlannerSettings planner = defaultPlannerSettings();
   DdpOptions ddp;
   /// Workers, prefetch depth, drop-last. Its device, seeds and the sampler seed are set
   /// by the Trainer.
@@ -121,8 +111,8 @@ struct TrainerOptions {
   /// HDDP_EMULATE_LINK_GBPS / HDDP_EMULATE_MEMORY_CAP of the environment.
   std::optional<EmulationOptions> emulation;
 
-  static PlannerOptions defaultPlannerOptions() {
-    PlannerOptions p(128);
+  static PlannerSettings defaultPlannerSettings() {
+    PlannerSettings p;
     p.calibrationSteps = 3;
     return p;
   }
@@ -185,6 +175,9 @@ class Trainer {
   DistributedDataParallel& ddp();
   /// Null when options.balance is false.
   BatchPlanner* planner();
+  /// The split the next step uses: the planner's, or the equal split without balancing.
+  /// Spread other per-rank work like it with shardOf (hddp/balance/batch_plan.h).
+  BatchPlan plan() const;
   GradScaler& scaler();
   PrefetchLoader& loader();
   const TrainerOptions& options() const;

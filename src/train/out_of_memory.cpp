@@ -1,0 +1,77 @@
+#include "train/out_of_memory.h"
+
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "hddp/balance/planner.h"
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+
+namespace hddp {
+namespace train {
+namespace {
+
+std::vector<OutOfMemoryFailure> gatherFailures(Communicator& comm, bool failedHere,
+                                               int64_t localBatch) {
+  int64_t info[2] = {failedHere ? 1 : 0, localBatch};
+  std::vector<uint8_t> bytes(sizeof(info));
+  std::memcpy(bytes.data(), info, sizeof(info));
+  const auto all = comm.allgatherBytes(bytes);
+  std::vector<OutOfMemoryFailure> failures;
+  for (size_t r = 0; r < all.size(); ++r) {
+    int64_t theirs[2];
+    HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(theirs), "bad failure report from rank ", r);
+    std::memcpy(theirs, all[r].data(), sizeof(theirs));
+    if (theirs[0] != 0) {
+      failures.push_back({static_cast<int>(r), theirs[1]});
+    }
+  }
+  HDDP_INTERNAL_ASSERT(!failures.empty(), "a step was abandoned but no rank reports a failure");
+  return failures;
+}
+
+std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+}  // namespace
+
+OutOfMemoryRecovery recoverFromOutOfMemory(Communicator& comm, BatchPlanner* planner,
+                                           const std::string& mine, int64_t localBatch,
+                                           int64_t minLocalBatch, int64_t step) {
+  OutOfMemoryRecovery result;
+  result.failures = gatherFailures(comm, !mine.empty(), localBatch);
+  result.before = planner ? planner->plan() : BatchPlan{};
+  for (const auto& f : result.failures) {
+    HDDP_CHECK(planner != nullptr, "rank ", f.rank, " ran out of memory with its equal share of ",
+               f.localBatch,
+               " samples (balancing is off). Lower the global batch, use mixed precision or "
+               "activation checkpointing, or turn balancing on so the planner gives that rank "
+               "fewer samples.");
+    const int64_t floorShare = std::max<int64_t>(1, minLocalBatch);
+    HDDP_CHECK(f.localBatch > floorShare, "rank ", f.rank, " ran out of memory with ", f.localBatch,
+               " sample(s) in its step: the model does not fit on that device even at the "
+               "smallest share. Use mixed precision or activation checkpointing, or leave the "
+               "device out.");
+    // 10% below the failing size (at least one sample): a few retries at most find a
+    // size that fits, and fragmentation gets some room.
+    const int64_t cap =
+        std::max(floorShare, f.localBatch - std::max<int64_t>(1, f.localBatch / 10));
+    planner->setMemoryCap(f.rank, cap);
+  }
+  result.after = planner->plan();
+  std::ostringstream who;
+  for (const auto& f : result.failures) {
+    who << (who.tellp() > 0 ? ", " : "") << "rank " << f.rank << " at " << f.localBatch
+        << " samples";
+  }
+  result.message = c10::str("step ", step, ": out of memory on ", who.str(),
+                            mine.empty() ? std::string() : " (" + firstLine(mine) + ")",
+                            "; memory cap learned, split ", result.before.describe(), " -> ",
+                            result.after.describe(), "; the step is repeated");
+  return result;
+}
+
+}  // namespace train
+}  // namespace hddp

@@ -1,0 +1,78 @@
+// What the Trainer reports (internal to the train layer): one JSON line per step,
+// epoch, evaluation, repeated step and run in the rank's metrics file, and rank 0's
+// progress bar or lines. Every record kind is written here and nowhere else.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "train/metrics.h"
+
+namespace hddp {
+
+struct TrainSummary;
+
+namespace train {
+
+struct OutOfMemoryRecovery;
+
+struct StepReport {
+  int64_t epoch = 0;
+  int64_t epochs = 0;
+  int64_t step = 0;  // steps done, this one included
+  int64_t stepInEpoch = 0;
+  int64_t stepsPerEpoch = 0;
+  int64_t localBatch = 0;
+  int64_t globalBatch = 0;
+  double dataWaitSeconds = 0;
+  double computeSeconds = 0;  // emulated stretch included
+  double commWaitSeconds = 0;
+  double stepSeconds = 0;
+  double loss = 0;
+  double lossScale = 1;
+  bool stepped = true;
+  std::vector<int64_t> plan;
+  std::vector<int64_t> newPlan;  // empty: the plan did not change
+  double planExchangeSeconds = 0;
+};
+
+struct EpochReport {
+  int64_t epoch = 0;
+  int64_t epochs = 0;
+  int64_t steps = 0;
+  double seconds = 0;
+  double samples = 0;  // over all ranks
+  double trainLoss = 0;
+  std::vector<int64_t> plan;
+  std::string planText;
+  std::map<std::string, double> evaluation;  // empty: not evaluated
+};
+
+class Reporter {
+ public:
+  Reporter() = default;
+  /// Opens this rank's metrics file (`metricsPath` with ".rank<r>" for r > 0; "" = none),
+  /// appending when `append`; progress is shown on rank 0 unless `showProgress` is false,
+  /// as a live bar when `live`, else as lines every `logEvery` steps.
+  Reporter(const std::string& metricsPath, int rank, bool append, bool showProgress, bool live,
+           int64_t logEvery);
+
+  void step(const StepReport& report);
+  void epoch(const EpochReport& report);
+  /// An evaluation outside an epoch's end (maxSteps stopped the run inside one).
+  void evaluationAtStop(int64_t epoch, int64_t step, const std::map<std::string, double>& metrics,
+                        const std::string& planText);
+  void outOfMemory(const OutOfMemoryRecovery& recovery, int64_t epoch, int64_t step);
+  void summary(const TrainSummary& summary, const std::map<std::string, double>& evaluation);
+
+ private:
+  int rank_ = 0;
+  MetricsWriter metrics_;
+  std::unique_ptr<Progress> progress_;
+};
+
+}  // namespace train
+}  // namespace hddp

@@ -1,0 +1,199 @@
+// One training step, in phases: forward and backward (with the out-of-memory catch),
+// optimizer step, measurement and re-planning, report.
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/torch.h>
+
+#include <optional>
+
+#include "hddp/core/autocast.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+#include "train/out_of_memory.h"
+#include "train/trainer_impl.h"
+
+namespace hddp {
+namespace {
+
+double seconds(Trainer::Impl::Clock::time_point a, Trainer::Impl::Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+}  // namespace
+
+// False when the step was abandoned (some rank ran out of memory): nothing was
+// applied, and the loader serves the same samples again under the new split.
+bool Trainer::Impl::runStep(const Batch& batch) {
+  const StepInfo info{step_,
+                      epoch_,
+                      batch.stepInEpoch,
+                      batch.stepInEpoch + loader_->stepsLeftInEpoch(),
+                      batch.share.localBatch,
+                      batch.share.globalBatch};
+  if (schedule_) {
+    schedule_(info, optimizer_);
+  }
+  StepClock clock;
+  clock.start = Clock::now();
+  const std::string outOfMemory = forwardAndBackward(batch, clock);
+  // Every rank learns whether some rank abandoned the step (read with the last bucket).
+  if (options_.recoverFromOutOfMemory && !hasSyncBatchNorm_ && ddp_->lastStepAbandoned()) {
+    repeatStep(batch, outOfMemory, clock.start);
+    return false;
+  }
+  const bool stepped = optimizerStep(clock);
+  const double compute = measureAndReplan(batch, clock);
+  report(batch, info, clock, compute, stepped);
+  return true;
+}
+
+// Forward and the scaled backward (the allreduce overlaps it). Returns this rank's
+// allocation error when it ran out of memory and the step can be repeated, else "".
+std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clock) {
+  const int64_t local = batch.share.localBatch;
+  ddp_->setBatch(local, batch.share.globalBatch);
+  optimizer_.zero_grad();
+  clock.forwardEnd = clock.start;
+  if (local == 0) {
+    ddp_->finalize();  // no samples this step: contribute zeros, receive the others'
+    return "";
+  }
+  try {
+    {
+      std::optional<AutocastGuard> autocast;
+      if (options_.amp != AmpMode::Off) {
+        autocast.emplace(device_.type(), options_.amp == AmpMode::Bf16 ? at::kBFloat16 : at::kHalf);
+      }
+      at::Tensor output = forward_(batch.input);
+      emulator_->checkMemory(local);
+      stepLoss_ = loss_(output, batch.target);
+    }
+    clock.forwardEnd = Clock::now();
+    timeline_.add("forward", clock.start, clock.forwardEnd, step_, Track::Training, local);
+    scaler_->scale(stepLoss_).backward();
+  } catch (const c10::OutOfMemoryError& e) {
+    if (!options_.recoverFromOutOfMemory || hasSyncBatchNorm_) {
+      throw;  // (SyncBatchNorm's collectives in forward cannot be matched)
+    }
+    stepLoss_ = at::Tensor();
+    if (device_.type() != c10::kCPU) {
+      c10::getDeviceAllocator(device_.type())->emptyCache();
+    }
+    const std::string what = e.what_without_backtrace();
+    HDDP_CHECK(ddp_->abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
+               "gradients were sent (", what, "); this cannot be retried");
+    return what;
+  }
+  return "";
+}
+
+// Some rank ran out of memory in this step (every rank gets here, after the step's
+// collectives): learn the failing ranks' memory caps, re-plan, and rewind the loader
+// so the same global batch is served again under the new split. Nothing was applied
+// (no optimizer step), so no sample is lost or counted twice.
+void Trainer::Impl::repeatStep(const Batch& batch, const std::string& mine, Clock::time_point t0) {
+  const auto recovery =
+      train::recoverFromOutOfMemory(comm_, planner_.get(), mine, batch.share.localBatch,
+                                    options_.planner.minLocalBatch, step_ + 1);
+  ++repeatedSteps_;
+  // Rank 0 and the failing ranks warn; the others note it.
+  if (comm_.rank() == 0 || !mine.empty()) {
+    HDDP_LOG_WARN("train", recovery.message);
+  } else {
+    HDDP_LOG_INFO("train", recovery.message);
+  }
+  reporter_.outOfMemory(recovery, epoch_, step_ + 1);
+  timeline_.add("out of memory, step repeated", t0, Clock::now(), step_);
+  DistributedSampler::State state = loader_->state();
+  state.position -= batch.share.globalBatch;
+  HDDP_INTERNAL_ASSERT(state.position >= 0, "rewinding the sampler before the epoch start");
+  loader_->resume(state, recovery.after);
+}
+
+// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
+bool Trainer::Impl::optimizerStep(StepClock& clock) {
+  clock.backwardEnd = Clock::now();
+  timeline_.add("backward", clock.forwardEnd, clock.backwardEnd, step_);
+  if (options_.clipGradNorm > 0) {
+    scaler_->unscale(optimizer_);
+    torch::nn::utils::clip_grad_norm_(model_->parameters(), options_.clipGradNorm);
+  }
+  const bool stepped = scaler_->step(optimizer_);
+  scaler_->update();
+  if (device_.type() != c10::kCPU) {
+    // Wait for the device, so the measured compute time is the real one.
+    c10::Event done(device_.type());
+    done.record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+    done.synchronize();
+  }
+  clock.end = Clock::now();
+  timeline_.add("optimizer", clock.backwardEnd, clock.end, step_);
+  return stepped;
+}
+
+// This rank's compute seconds (time blocked in communication excluded; an emulated
+// slower card or link adds its extra time here, the one place emulation stretches a
+// step), given to the planner, which may re-split the next steps. Returns them.
+double Trainer::Impl::measureAndReplan(const Batch& batch, StepClock& clock) {
+  const int64_t local = batch.share.localBatch;
+  const auto& stats = ddp_->lastStepStats();
+  for (const auto& bucket : stats.bucketTimes) {
+    timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,
+                  bucket.bytes);
+  }
+  const double raw = std::max(0.0, seconds(clock.start, clock.end) - stats.waitSeconds);
+  double compute = raw;
+  if (emulator_->active() && local > 0) {
+    // Sleeps before the next step's gradients are sent, so the other ranks wait for
+    // this one as they would for a slower card.
+    const auto e0 = Clock::now();
+    compute = emulator_->apply(raw, batch.bytes);
+    clock.emulatedSeconds = compute - raw;
+    timeline_.add("emulated delay", e0, Clock::now(), step_);
+  }
+  newPlan_ = false;
+  if (planner_) {
+    planner_->record(local, compute);
+    const auto p0 = Clock::now();
+    newPlan_ = planner_->endStep();
+    if (planner_->lastExchangeSeconds() > 0) {
+      timeline_.add("plan exchange", p0, Clock::now(), step_, Track::Communication);
+    }
+    if (newPlan_) {
+      loader_->setPlan(planner_->plan());
+    }
+  }
+  return compute;
+}
+
+void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepClock& clock,
+                           double compute, bool stepped) {
+  const int64_t local = batch.share.localBatch;
+  train::StepReport r;
+  r.loss = local > 0 ? stepLoss_.detach().to(at::kDouble).item<double>() : 0.0;
+  epochLossSum_ += r.loss * static_cast<double>(local);
+  epochSamples_ += local;
+  ++step_;
+  r.epoch = epoch_;
+  r.epochs = options_.epochs;
+  r.step = step_;
+  r.stepInEpoch = batch.stepInEpoch;
+  r.stepsPerEpoch = info.stepsPerEpoch;
+  r.localBatch = local;
+  r.globalBatch = batch.share.globalBatch;
+  r.dataWaitSeconds = batch.waitSeconds;
+  r.computeSeconds = compute;
+  r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
+  r.stepSeconds = seconds(clock.start, clock.end) + clock.emulatedSeconds + batch.waitSeconds;
+  r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
+  r.stepped = stepped;
+  r.plan = batch.share.plan.local;
+  if (newPlan_) {
+    r.newPlan = planner_->plan().local;
+  }
+  r.planExchangeSeconds = planner_ ? planner_->lastExchangeSeconds() : 0.0;
+  reporter_.step(r);
+}
+
+}  // namespace hddp

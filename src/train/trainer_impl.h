@@ -1,0 +1,102 @@
+// The Trainer's parts and state (internal to the train layer). trainer.cpp builds the
+// parts and runs the loop (epochs, evaluation, state files); step.cpp runs one step in
+// phases. State files are in trainer_state.h, out-of-memory recovery in
+// out_of_memory.h, metrics and progress in reporter.h.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "hddp/train/timeline.h"
+#include "hddp/train/trainer.h"
+#include "train/reporter.h"
+#include "train/trainer_state.h"
+
+namespace hddp {
+
+class Trainer::Impl {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model, ForwardFn forward, LossFn loss,
+       torch::optim::Optimizer& optimizer, std::shared_ptr<const Dataset> train,
+       TrainerOptions options);
+  ~Impl();
+
+  TrainSummary fit();
+  std::string save();
+  void load(const std::string& fileOrDirectory);
+  /// The planner's plan, or the equal split without balancing.
+  BatchPlan currentPlan() const;
+
+  // ---- one step (step.cpp) -------------------------------------------------------------
+
+  /// The time points of one step, as its phases end.
+  struct StepClock {
+    Clock::time_point start;
+    Clock::time_point forwardEnd;
+    Clock::time_point backwardEnd;
+    Clock::time_point end;
+    double emulatedSeconds = 0;  // the emulator's extra (slower card or link), slept after `end`
+  };
+  /// Runs one step; false when it was abandoned (some rank ran out of memory): nothing
+  /// was applied, and the loader serves the same samples again under a new split.
+  bool runStep(const Batch& batch);
+  /// Forward and the scaled backward (the allreduce overlaps it). Returns this rank's
+  /// allocation error when it ran out of memory and the step can be repeated, else "".
+  std::string forwardAndBackward(const Batch& batch, StepClock& clock);
+  /// After an abandoned step: learn the memory caps, re-plan, rewind the loader.
+  void repeatStep(const Batch& batch, const std::string& mine, Clock::time_point start);
+  /// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
+  bool optimizerStep(StepClock& clock);
+  /// This rank's compute seconds, given to the planner, which may re-split.
+  double measureAndReplan(const Batch& batch, StepClock& clock);
+  void report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,
+              bool stepped);
+
+  // ---- the loop (trainer.cpp) ----------------------------------------------------------
+
+  void applyGivenMemoryCaps();
+  /// The user's evaluation, timed; an empty result keeps the last one.
+  std::map<std::string, double> evaluate();
+  void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
+  void barrier();
+  train::StateParts stateParts();
+  std::string saveMidEpoch();
+
+  Communicator& comm_;
+  std::shared_ptr<torch::nn::Module> model_;
+  ForwardFn forward_;
+  LossFn loss_;
+  torch::optim::Optimizer& optimizer_;
+  TrainerOptions options_;
+  c10::Device device_;
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<BatchPlanner> planner_;
+  std::unique_ptr<GradScaler> scaler_;
+  std::unique_ptr<PrefetchLoader> loader_;
+  std::unique_ptr<Emulator> emulator_;
+  bool hasSyncBatchNorm_ = false;
+  ScheduleFn schedule_;
+  EvalFn evaluation_;
+  Timeline timeline_;
+  train::Reporter reporter_;
+
+  int64_t step_ = 0;
+  int64_t epoch_ = 0;
+  bool midEpoch_ = false;
+  bool resumed_ = false;
+  int64_t lastSaved_ = -1;
+  int64_t repeatedSteps_ = 0;
+  DistributedSampler::State samplerState_;
+  at::Tensor stepLoss_;   // this step's loss (undefined without samples)
+  bool newPlan_ = false;  // the planner changed the plan at the end of this step
+  double epochLossSum_ = 0;
+  int64_t epochSamples_ = 0;
+  double lastEpochLoss_ = 0;
+  std::map<std::string, double> lastEvaluation_;
+};
+
+}  // namespace hddp

@@ -1,0 +1,268 @@
+#include "train/trainer_state.h"
+
+#include <ATen/core/Generator.h>
+#include <torch/torch.h>
+
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <vector>
+
+#include "hddp/amp/grad_scaler.h"
+#include "hddp/balance/planner.h"
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+#include "hddp/train/state_file.h"
+
+namespace hddp {
+namespace train {
+namespace {
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+std::string archiveBytes(OutputArchive& archive) {
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+at::Tensor bytesTensor(const std::vector<uint8_t>& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  if (!bytes.empty()) {
+    std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  }
+  return t;
+}
+
+std::string tensorBytes(const at::Tensor& t) {
+  at::Tensor c = t.contiguous().to(at::kByte);
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
+}
+
+at::Tensor readTensor(InputArchive& archive, const std::string& key, const std::string& path) {
+  at::Tensor t;
+  HDDP_CHECK_AS(StateError, archive.try_read(key, t), "state file ", path, " has no '", key,
+                "' (written by another program or an incompatible hddp version?)");
+  return t;
+}
+
+void readArchive(InputArchive& archive, const std::string& key, InputArchive& into,
+                 const std::string& path) {
+  HDDP_CHECK_AS(StateError, archive.try_read(key, into), "state file ", path, " has no '", key,
+                "' (written by another program or an incompatible hddp version?)");
+}
+
+at::Tensor generatorState(at::Generator gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+
+void setGeneratorState(at::Generator gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+at::Tensor encode(const StateMeta& m) {
+  return at::tensor(std::vector<int64_t>{StateMeta::kVersion, m.step, m.epoch, m.midEpoch ? 1 : 0,
+                                         m.worldSize, m.globalBatch},
+                    at::kLong);
+}
+
+StateMeta decode(const at::Tensor& meta, const std::string& path) {
+  const at::Tensor m = meta.contiguous();
+  const int64_t version = m.numel() > 0 ? m.data_ptr<int64_t>()[0] : -1;
+  HDDP_CHECK_AS(StateError, version == StateMeta::kVersion && m.numel() == 6, "state file ", path,
+                " has format version ", version, "; this hddp reads version ", StateMeta::kVersion,
+                ". Finish that run with the hddp that wrote it, or start fresh.");
+  const int64_t* v = m.data_ptr<int64_t>();
+  StateMeta meta_;
+  meta_.step = v[1];
+  meta_.epoch = v[2];
+  meta_.midEpoch = v[3] != 0;
+  meta_.worldSize = v[4];
+  meta_.globalBatch = v[5];
+  return meta_;
+}
+
+// This rank's own part of the state: its RNGs and the planner's measurement window.
+std::vector<uint8_t> rankBlob(const StateParts& parts) {
+  OutputArchive a;
+  a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));
+  const c10::Device device = parts.comm.device();
+  if (device.type() != c10::kCPU) {
+    a.write("device_rng", generatorState(at::globalContext().defaultGenerator(device)));
+  }
+  if (parts.planner) {
+    OutputArchive shared;  // rank 0 writes the shared part into the file itself
+    OutputArchive own;
+    parts.planner->save(shared, own);
+    a.write("planner", own);
+  }
+  const std::string bytes = archiveBytes(a);
+  return std::vector<uint8_t>(bytes.begin(), bytes.end());
+}
+
+void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* plannerShared,
+                  const std::string& path) {
+  const std::string bytes =
+      tensorBytes(readTensor(file, "rank" + std::to_string(parts.comm.rank()), path));
+  InputArchive mine;
+  mine.load_from(bytes.data(), bytes.size());
+  setGeneratorState(at::detail::getDefaultCPUGenerator(), readTensor(mine, "cpu_rng", path));
+  const c10::Device device = parts.comm.device();
+  at::Tensor deviceRng;
+  if (device.type() != c10::kCPU && mine.try_read("device_rng", deviceRng)) {
+    setGeneratorState(at::globalContext().defaultGenerator(device), deviceRng);
+  }
+  if (parts.planner && plannerShared) {
+    InputArchive own;
+    readArchive(mine, "planner", own, path);
+    parts.planner->load(*plannerShared, own);
+  }
+}
+
+// Rank 0 chooses the file (the newest valid one of a directory) and tells the others.
+std::string chooseStateFile(Communicator& comm, const std::string& fileOrDirectory) {
+  std::string chosen;
+  std::string problem;
+  if (comm.rank() == 0) {
+    if (std::filesystem::is_directory(fileOrDirectory)) {
+      auto files = listStateFiles(fileOrDirectory);
+      for (auto it = files.rbegin(); it != files.rend() && chosen.empty(); ++it) {
+        try {
+          readStateFile(*it);
+          chosen = *it;
+        } catch (const StateError& e) {
+          HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
+        }
+      }
+      if (chosen.empty()) {
+        problem = "no valid state file (state-NNNNNNNN.hddp) in " + fileOrDirectory;
+      }
+    } else {
+      chosen = fileOrDirectory;
+    }
+  }
+  const std::string mine = problem.empty() ? chosen : "!" + problem;
+  const auto all = comm.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
+  const std::string decided(all[0].begin(), all[0].end());
+  HDDP_CHECK_AS(StateError, decided.empty() || decided[0] != '!',
+                "cannot resume: ", decided.substr(decided.empty() ? 0 : 1));
+  return decided;
+}
+
+// Model, buffers, optimizer and scaler: copied into what the Trainer already holds.
+void loadModelAndOptimizer(const StateParts& parts, InputArchive& archive,
+                           const std::string& path) {
+  try {
+    torch::NoGradGuard noGrad;
+    auto copyInto = [&](const std::string& key, at::Tensor target) {
+      at::Tensor saved;
+      HDDP_CHECK_AS(StateError, archive.try_read(key, saved), "state file ", path, " has no '", key,
+                    "': it was saved from a different model");
+      HDDP_CHECK_AS(StateError, saved.sizes() == target.sizes(), "state file ", path, ": '", key,
+                    "' has shape ", saved.sizes(), ", the model's is ", target.sizes());
+      target.copy_(saved);
+    };
+    for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
+      copyInto("model." + item.key(), item.value());
+    }
+    for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
+      copyInto("buffer." + item.key(), item.value());
+    }
+    InputArchive optimizerArchive;
+    readArchive(archive, "optimizer", optimizerArchive, path);
+    parts.optimizer.load(optimizerArchive);
+    InputArchive scalerArchive;
+    readArchive(archive, "scaler", scalerArchive, path);
+    parts.scaler.load(scalerArchive);
+  } catch (const StateError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    HDDP_THROW(StateError, "state file ", path,
+               " does not fit this model or optimizer: ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+std::string saveState(const StateParts& parts, const StateMeta& meta,
+                      const DistributedSampler::State& sampler, const std::string& directory,
+                      int keepLast) {
+  const auto blobs = parts.comm.allgatherBytes(rankBlob(parts));
+  const std::string path = stateFileName(directory, meta.step);
+  if (parts.comm.rank() != 0) {
+    return path;
+  }
+  OutputArchive archive;
+  archive.write("meta", encode(meta));
+  // Flat, by name: loading copies into the parameters (Module::load would replace
+  // them, which detaches DDP's gradient hooks).
+  for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
+    archive.write("model." + item.key(), item.value().detach().cpu());
+  }
+  for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
+    archive.write("buffer." + item.key(), item.value().detach().cpu());
+  }
+  OutputArchive optimizerArchive;
+  parts.optimizer.save(optimizerArchive);
+  archive.write("optimizer", optimizerArchive);
+  OutputArchive scalerArchive;
+  parts.scaler.save(scalerArchive);
+  archive.write("scaler", scalerArchive);
+  sampler.save(archive);
+  if (parts.planner) {
+    OutputArchive shared;
+    OutputArchive own;  // each rank's own part travels in its blob
+    parts.planner->save(shared, own);
+    archive.write("planner", shared);
+  }
+  for (size_t r = 0; r < blobs.size(); ++r) {
+    archive.write("rank" + std::to_string(r), bytesTensor(blobs[r]));
+  }
+  writeStateFile(path, archiveBytes(archive));
+  pruneStateFiles(directory, keepLast);
+  HDDP_LOG_INFO("train", "saved step ", meta.step, " to ", path);
+  return path;
+}
+
+LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
+                      int64_t globalBatch) {
+  LoadedState loaded;
+  loaded.path = chooseStateFile(parts.comm, fileOrDirectory);
+  const std::string& path = loaded.path;
+  std::string payload;
+  try {
+    payload = readStateFile(path);
+  } catch (const StateError&) {
+    if (parts.comm.rank() != 0) {
+      HDDP_LOG_ERROR("train", "rank ", parts.comm.rank(), " cannot read ", path,
+                     ": the state directory must be visible to every rank");
+    }
+    throw;
+  }
+  InputArchive archive;
+  archive.load_from(payload.data(), payload.size());
+  loaded.meta = decode(readTensor(archive, "meta", path), path);
+  const StateMeta& meta = loaded.meta;
+  HDDP_CHECK_AS(StateError, meta.worldSize == parts.comm.size(), "state file ", path,
+                " was saved by ", meta.worldSize, " ranks; this job has ", parts.comm.size(),
+                ". Resume with the same number of ranks.");
+  HDDP_CHECK_AS(StateError, meta.globalBatch == globalBatch, "state file ", path,
+                " was saved with global batch ", meta.globalBatch, "; this job uses ", globalBatch,
+                ". Resume with the same global batch.");
+  loadModelAndOptimizer(parts, archive, path);
+  loaded.sampler = DistributedSampler::State::load(archive);
+  InputArchive plannerShared;
+  const bool hasPlanner = parts.planner && archive.try_read("planner", plannerShared);
+  if (parts.planner && !hasPlanner) {
+    HDDP_LOG_INFO("train", path, " was saved with the equal split: the planner starts afresh");
+  }
+  loadRankBlob(parts, archive, hasPlanner ? &plannerShared : nullptr, path);
+  return loaded;
+}
+
+}  // namespace train
+}  // namespace hddp

@@ -1,0 +1,81 @@
+// The Trainer's state files: what one holds and how it is written and read back
+// (internal to the train layer; the file format itself is in hddp/train/state_file.h).
+//
+// A state file is a LibTorch archive:
+//   meta            StateMeta as int64 [version, step, epoch, midEpoch, worldSize,
+//                   globalBatch]
+//   model.<name>    every parameter, buffer.<name> every buffer (copied into the
+//                   module on load, so DDP's gradient hooks stay in place)
+//   optimizer       the optimizer's own archive
+//   scaler          GradScaler::save
+//   sampler         DistributedSampler::State::save (where the epoch's order stands)
+//   planner         BatchPlanner::save, its shared part (with balancing only)
+//   rank<r>         rank r's own archive, as bytes: its RNGs and its planner window
+// Rank 0 writes it; every rank reads it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "hddp/data/distributed_sampler.h"
+
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+namespace optim {
+class Optimizer;
+}  // namespace optim
+}  // namespace torch
+
+namespace hddp {
+
+class BatchPlanner;
+class Communicator;
+class GradScaler;
+
+namespace train {
+
+/// The scalar part of a state file ("meta").
+struct StateMeta {
+  /// Format version; a file of another version is refused with a StateError.
+  static constexpr int64_t kVersion = 2;
+  /// Optimizer steps done.
+  int64_t step = 0;
+  /// The epoch in progress (or the next to start).
+  int64_t epoch = 0;
+  /// Saved inside `epoch`: the sampler's position is where it continues.
+  bool midEpoch = false;
+  int64_t worldSize = 0;
+  int64_t globalBatch = 0;
+};
+
+/// The Trainer's parts a state file holds (planner: null with the equal split).
+struct StateParts {
+  Communicator& comm;
+  torch::nn::Module& model;
+  torch::optim::Optimizer& optimizer;
+  GradScaler& scaler;
+  BatchPlanner* planner;
+};
+
+/// Writes the state file of `meta.step` in `directory` (rank 0; collective), keeping
+/// the newest `keepLast` there. Returns the path.
+std::string saveState(const StateParts& parts, const StateMeta& meta,
+                      const DistributedSampler::State& sampler, const std::string& directory,
+                      int keepLast);
+
+struct LoadedState {
+  std::string path;
+  StateMeta meta;
+  DistributedSampler::State sampler;
+};
+
+/// Loads `fileOrDirectory` (a directory: its newest valid state file, chosen by rank 0)
+/// into the parts (collective). hddp::StateError when the file was saved by another
+/// number of ranks or another global batch, or does not fit the model or optimizer.
+LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
+                      int64_t globalBatch);
+
+}  // namespace train
+}  // namespace hddp

@@ -247,8 +247,8 @@ class C10dCommunicator final : public Communicator {
   // A Work under construction whose Impl may still be edited.
   struct PendingWork {
     Work work;
-    Work::Impl* impl;
-    Work::Impl* impl_unsafe() { return impl; }
+    WorkAccess::Impl* impl;
+    WorkAccess::Impl* impl_unsafe() { return impl; }
     operator Work() && { return std::move(work); }  // NOLINT: implicit by design
   };
 
@@ -275,14 +275,14 @@ class C10dCommunicator final : public Communicator {
   }
 
   Work completed(const std::string& what) {
-    auto impl = std::make_unique<Work::Impl>();
+    auto impl = std::make_unique<WorkAccess::Impl>();
     impl->description = what;
-    return Work(std::move(impl));
+    return WorkAccess::make(std::move(impl));
   }
 
   template <typename Launch>
   PendingWork launch(const std::string& what, Launch&& fn) {
-    auto impl = std::make_unique<Work::Impl>();
+    auto impl = std::make_unique<WorkAccess::Impl>();
     impl->description = what;
     try {
       // c10d's FlightRecorder (torch 2.11) updates a process-wide map before taking its
@@ -295,8 +295,8 @@ class C10dCommunicator final : public Communicator {
     } catch (...) {
       detail::rethrowAsDistributed(what, false);
     }
-    Work::Impl* raw = impl.get();
-    return PendingWork{Work(std::move(impl)), raw};
+    WorkAccess::Impl* raw = impl.get();
+    return PendingWork{WorkAccess::make(std::move(impl)), raw};
   }
 
   PendingWork reduceInPlace(std::vector<at::Tensor>& tensors, ReduceOp op, const char* name,
@@ -306,10 +306,10 @@ class C10dCommunicator final : public Communicator {
         c10::str(name, "(", reduceOpName(op), ") of ",
                  shown.empty() ? describeTensors(tensors) : shown, rankSuffix());
     if (tensors[0].numel() == 0) {
-      auto impl = std::make_unique<Work::Impl>();
+      auto impl = std::make_unique<WorkAccess::Impl>();
       impl->description = what;
-      Work::Impl* raw = impl.get();
-      return PendingWork{Work(std::move(impl)), raw};
+      WorkAccess::Impl* raw = impl.get();
+      return PendingWork{WorkAccess::make(std::move(impl)), raw};
     }
     const bool emulateAvg = op == ReduceOp::Avg && kind_ == Backend::Gloo;
     c10d::AllreduceOptions opts;

@@ -55,6 +55,17 @@ void Work::synchronize() {
   }
 }
 
+void Work::onCompletion(std::function<void()> callback) {
+  HDDP_CHECK(impl_, "Work used after it was moved from");
+  HDDP_CHECK(callback, "Work::onCompletion needs a callback");
+  if (!impl_->work) {
+    callback();
+    return;
+  }
+  impl_->work->getFuture()->addCallback(
+      [callback = std::move(callback)](c10::ivalue::Future&) { callback(); });
+}
+
 const std::string& Work::description() const {
   HDDP_CHECK(impl_, "Work used after it was moved from");
   return impl_->description;

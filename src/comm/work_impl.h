@@ -1,3 +1,5 @@
+// Work's implementation (private to the comm layer): a c10d::Work and what runs when it
+// has completed.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -15,20 +17,11 @@ struct Work::Impl {
   bool finished = false;
 };
 
-}  // namespace hddp
+/// How the communicator's implementation builds a Work and edits it before handing it out.
+struct WorkAccess {
+  using Impl = Work::Impl;
+  static Work make(std::unique_ptr<Work::Impl> impl) { return Work(std::move(impl)); }
+  static Work::Impl* impl(Work& work) { return work.impl_.get(); }
+};
 
-namespace hddp {
-namespace detail {
-
-/// Runs `fn` (on a backend thread) when `work` completes; at once if it already has.
-inline void onCompletion(Work& work, std::function<void()> fn) {
-  auto* impl = work.impl();
-  if (!impl || !impl->work) {
-    fn();
-    return;
-  }
-  impl->work->getFuture()->addCallback([fn = std::move(fn)](c10::ivalue::Future&) { fn(); });
-}
-
-}  // namespace detail
 }  // namespace hddp

@@ -12,7 +12,6 @@
 #include <sstream>
 #include <unordered_map>
 
-#include "comm/work_impl.h"
 #include "core/gradient_capture.h"
 #include "ddp/coalesced.h"
 #include "hddp/core/error.h"
@@ -70,7 +69,7 @@ class DistributedDataParallel::Impl {
   struct Bucket {
     std::vector<int> params;
     at::Tensor flat;
-    at::Tensor wire;  // compressed copy on the wire, when compressing
+    std::function<void()> finish;  // the comm hook's, run after `work` completed
     int pending = 0;
     bool launched = false;
     Work work;
@@ -88,6 +87,14 @@ class DistributedDataParallel::Impl {
                options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
     HDDP_CHECK(options_.bufferSyncInterval >= 1,
                "DdpOptions::bufferSyncInterval must be >= 1, got ", options_.bufferSyncInterval);
+    HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
+                  "DdpOptions: set either compression or commHook, not both (compression is "
+                  "a shorthand for commHook = compressedAllreduceHook(...))");
+    hook_ = options_.commHook ? options_.commHook
+            : options_.compression == GradCompression::None
+                ? allreduceHook()
+                : compressedAllreduceHook(
+                      options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
     std::unordered_map<const void*, std::string> seen;  // tied parameters: counted once
     for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
       const void* identity = item.value().unsafeGetTensorImpl();
@@ -307,16 +314,12 @@ class DistributedDataParallel::Impl {
     while (nextBucket_ < static_cast<int>(buckets_.size()) && buckets_[nextBucket_].pending == 0) {
       Bucket& b = buckets_[nextBucket_];
       b.launchedAt = Clock::now();
-      if (options_.compression == GradCompression::None) {
-        b.work = comm_.allreduce(b.flat);
-      } else {
-        b.wire =
-            b.flat.to(options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
-        b.work = comm_.allreduce(b.wire);
-      }
-      detail::onCompletion(b.work, [done = b.completedAtNs] {
-        done->store(Clock::now().time_since_epoch().count());
-      });
+      GradBucket bucket{nextBucket_, b.flat};
+      CommHookResult sent = hook_(comm_, bucket);
+      b.work = std::move(sent.work);
+      b.finish = std::move(sent.finish);
+      b.work.onCompletion(
+          [done = b.completedAtNs] { done->store(Clock::now().time_since_epoch().count()); });
       b.launched = true;
       // "During backward": gradients of other parameters were still to come.
       if (duringBackward && readyCount_ < params_.size()) {
@@ -436,8 +439,9 @@ class DistributedDataParallel::Impl {
           secondsBetween(buckets_.front().launchedAt, std::max(last, waitStart));
     }
     for (auto& b : buckets_) {
-      if (b.wire.defined()) {
-        b.flat.copy_(b.wire);
+      if (b.finish) {
+        b.finish();
+        b.finish = nullptr;
       }
     }
     if (!options_.gradientAsBucketView) {
@@ -667,6 +671,7 @@ class DistributedDataParallel::Impl {
   std::shared_ptr<torch::nn::Module> module_;
   Communicator& comm_;
   DdpOptions options_;
+  CommHook hook_;  // what is sent for each bucket
   std::vector<Param> params_;
   std::vector<at::Tensor> frozen_;
   std::vector<std::string> frozenNames_;

@@ -3,6 +3,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "support/ranks.h"
@@ -114,6 +119,29 @@ TEST(Collectives, AsyncWorkOverlapsAndCompletesInOrder) {
       EXPECT_TRUE(works[i].isCompleted());
       EXPECT_TRUE(ts[i].equal(torch::full({1000}, float(2 * i + 1))));
     }
+  });
+}
+
+// Work::onCompletion: the callback runs once the backend completed the collective
+// (before or after wait() returns), and at once for work that was already complete.
+TEST(Collectives, CompletionCallbackRunsOnceWhenTheCollectiveCompleted) {
+  runThreads(2, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto calls = std::make_shared<std::atomic<int>>(0);
+    torch::Tensor t = torch::full({1 << 16}, float(rank + 1));
+    hddp::Work work = comm->allreduce(t);
+    work.onCompletion([calls] { calls->fetch_add(1); });
+    work.wait();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (calls->load() == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_EQ(calls->load(), 1);
+    EXPECT_TRUE(t.equal(torch::full({1 << 16}, 3.0f)));
+    hddp::Work done;  // already complete: runs at once, on this thread
+    int direct = 0;
+    done.onCompletion([&direct] { ++direct; });
+    EXPECT_EQ(direct, 1);
   });
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <numeric>
 #include <random>
 
 #include "hddp/comm/communicator.h"
@@ -344,6 +345,52 @@ TEST(Ddp, OverlapLaunchesBucketsBeforeBackwardEnds) {
           << "no bucket was launched while gradients were still being computed";
       EXPECT_LT(st.bucketsLaunchedDuringBackward, st.buckets);
     }
+  });
+}
+
+// A user's communication hook sees every bucket, in index order on every rank, and its
+// `finish` writes back what it reduced: here a float64 copy, which must give the plain
+// allreduce's gradients. Setting both a hook and compression is refused.
+TEST(Ddp, CommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(2);
+    Mlp plain;
+    Mlp hooked;
+    copyParams(*plain, *hooked);
+    std::vector<int> seen;
+    hddp::DdpOptions opts;
+    opts.firstBucketBytes = 256;
+    opts.bucketCapBytes = 1024;
+    opts.commHook = [&seen](hddp::Communicator& c, hddp::GradBucket& bucket) {
+      seen.push_back(bucket.index);
+      at::Tensor wide = bucket.buffer.to(at::kDouble);
+      at::Tensor buffer = bucket.buffer;
+      hddp::Work work = c.allreduce(wide);
+      return hddp::CommHookResult{std::move(work),
+                                  [buffer, wide]() mutable { buffer.copy_(wide); }};
+    };
+    hddp::DdpOptions plainOpts;
+    plainOpts.firstBucketBytes = 256;
+    plainOpts.bucketCapBytes = 1024;
+    hddp::DistributedDataParallel a(plain, *comm, plainOpts);
+    hddp::DistributedDataParallel b(hooked, *comm, opts);
+    auto d = makeData(8, 40 + rank);
+    torch::cross_entropy_loss(plain->forward(d.x), d.y).backward();
+    torch::cross_entropy_loss(hooked->forward(d.x), d.y).backward();
+    const int buckets = b.lastStepStats().buckets;
+    ASSERT_GE(buckets, 2);
+    std::vector<int> expected(static_cast<size_t>(buckets));
+    std::iota(expected.begin(), expected.end(), 0);
+    EXPECT_EQ(seen, expected);
+    auto pa = plain->named_parameters();
+    for (auto& p : hooked->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value().grad(), pa[p.key()].grad(), 1e-6, 1e-7)) << p.key();
+    }
+    hddp::DdpOptions both = opts;
+    both.compression = hddp::GradCompression::Bf16;
+    Mlp other;
+    EXPECT_THROW(hddp::DistributedDataParallel(other, *comm, both), hddp::ConfigError);
   });
 }
 

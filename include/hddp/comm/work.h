@@ -32,11 +32,17 @@ class Work {
   /// What this work does, e.g. "allreduce(sum) of 3 tensors, 1.2 MB float32 on rank 1/4".
   const std::string& description() const;
 
-  struct Impl;
-  explicit Work(std::unique_ptr<Impl> impl);
-  Impl* impl() { return impl_.get(); }
+  /// Runs `callback` once the backend has completed the collective (successfully or
+  /// not): on a backend thread, or at once on this thread when it already has. It sees
+  /// no result tensors (read those after wait()); it is for bookkeeping such as timing.
+  /// It must not throw, block or wait on this Work. Like c10d's
+  /// `getFuture()->addCallback`.
+  void onCompletion(std::function<void()> callback);
 
  private:
+  struct Impl;
+  friend struct WorkAccess;  // the communicator's implementation builds Works
+  explicit Work(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

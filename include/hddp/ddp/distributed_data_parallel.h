@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/ddp/comm_hooks.h"
 
 namespace torch {
 namespace nn {
@@ -71,6 +72,7 @@ enum class BufferSync {
   None,
 };
 
+/// Shorthands for the compression hooks of hddp/ddp/comm_hooks.h.
 enum class GradCompression {
   None,
   /// Buckets are cast to float16 for the allreduce and back (half the bytes on the
@@ -98,7 +100,11 @@ struct DdpOptions {
   BufferSync bufferSync = BufferSync::WithGradients;
   /// With BufferSync::WithGradients: every this many synchronized steps. Default 1.
   int bufferSyncInterval = 1;
+  /// Fp16/Bf16: commHook = compressedAllreduceHook(at::kHalf / at::kBFloat16).
   GradCompression compression = GradCompression::None;
+  /// What is sent for each bucket (PyTorch's register_comm_hook); empty = an allreduce of
+  /// the bucket, or the hook `compression` names. Setting both is a ConfigError.
+  CommHook commHook;
 };
 
 /// One bucket's allreduce in a step, launch to completion (for timelines).

@@ -83,7 +83,7 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--metrics", f.metrics,
                  "JSON-lines metrics file (rank r > 0 writes NAME.rank<r>.EXT)");
   app.add_option("--timeline", f.timeline, "Chrome-trace / Perfetto timeline of every rank");
-  app.add_flag("--no-balance", f.noBalance,
+  app.add_flag("!--no-balance", f.balance,
                "Equal split of the global batch (PyTorch DDP) instead of the planner's");
   app.add_option("--emulate-slowdown", f.emulateSlowdown,
                  "DEMO ONLY: stretch ranks' compute, e.g. 1:3 (rank 1 three times slower)");
@@ -128,7 +128,7 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
                 "--amp fp16 needs a CUDA device (this rank runs on ", ctx.device.str(),
                 "); use --amp bf16 on CPU");
   o.clipGradNorm = f.clipGradNorm;
-  o.balance = !f.noBalance;
+  o.balance = f.balance;
   o.loader.workers = f.workers;
   o.loader.depth = f.prefetch;
   o.metricsPath = f.metrics;

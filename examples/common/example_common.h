@@ -53,7 +53,7 @@ struct CommonFlags {
   int threads = 0;
   std::string metrics;
   std::string timeline;
-  bool noBalance = false;
+  bool balance = true;  // --no-balance: the equal split
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
   std::string emulateMemoryCap;

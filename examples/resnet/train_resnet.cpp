@@ -32,16 +32,23 @@ struct Data {
   int64_t classes = 10;
 };
 
-// Normalisation by the training set's channel statistics; when augmenting, a random
-// crop after zero padding (4 px for 32 px images, 2 px below) and optional flips.
+enum class Augment {
+  None,
+  /// A random crop after zero padding (4 px for 32 px images, 2 px below).
+  Crop,
+  /// The crop and random horizontal flips (clothes and objects, not digits).
+  CropAndFlip,
+};
+
+// Normalisation by the training set's channel statistics, then `augment`.
 hddp::ImageTransform standardTransform(std::pair<std::vector<float>, std::vector<float>> stats,
-                                       int64_t size, bool augment, bool flip) {
+                                       int64_t size, Augment augment) {
   hddp::ImageTransform t;
   t.mean = std::move(stats.first);
   t.std = std::move(stats.second);
-  if (augment) {
+  if (augment != Augment::None) {
     t.padCrop = size >= 32 ? 4 : 2;
-    t.horizontalFlip = flip;
+    t.horizontalFlip = augment == Augment::CropAndFlip;
   }
   return t;
 }
@@ -66,9 +73,12 @@ Data loadData(const std::string& kind, std::string dir, const std::string& testD
       test = hddp::loadMnist(dir, hddp::Split::Test);
     }
     // Flips suit clothes and objects, not digits.
+    const Augment trainAugment = !augment          ? Augment::None
+                                 : kind == "mnist" ? Augment::Crop
+                                                   : Augment::CropAndFlip;
     auto stats = train->channelStats();
-    train->setTransform(standardTransform(stats, train->height(), augment, kind != "mnist"));
-    test->setTransform(standardTransform(stats, train->height(), false, false));
+    train->setTransform(standardTransform(stats, train->height(), trainAugment));
+    test->setTransform(standardTransform(stats, train->height(), Augment::None));
     d.channels = train->channels();
     d.imageSize = train->height();
     d.classes = train->classes();

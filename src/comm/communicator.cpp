@@ -293,7 +293,7 @@ class C10dCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(launchMutex());
       impl->work = fn();
     } catch (...) {
-      detail::rethrowAsDistributed(what, false);
+      detail::rethrowAsDistributed(what, detail::FailedOperation::Backend);
     }
     WorkAccess::Impl* raw = impl.get();
     return PendingWork{WorkAccess::make(std::move(impl)), raw};
@@ -396,7 +396,7 @@ std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int
                   ? detail::createNcclBackend(c10dStore, rank, size, timeout, options)
                   : detail::createGlooBackend(c10dStore, rank, size, timeout, options);
   } catch (...) {
-    detail::rethrowAsDistributed(what, false);
+    detail::rethrowAsDistributed(what, detail::FailedOperation::Backend);
   }
   HDDP_LOG_INFO("comm", "joined a ", size, "-rank ", backendName(options.backend),
                 " group as rank ", rank, " (timeout ", timeout.count() / 1000, " s)");

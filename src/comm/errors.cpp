@@ -18,9 +18,9 @@ bool mentionsTimeout(std::string text) {
 
 }  // namespace
 
-void rethrowAsDistributed(const std::string& context, bool storeOperation) {
+void rethrowAsDistributed(const std::string& context, FailedOperation operation) {
   std::string message;
-  bool storeError = storeOperation;
+  bool storeError = operation == FailedOperation::Store;
   try {
     throw;
   } catch (const hddp::Error&) {

@@ -1,11 +1,12 @@
 // Reading launcher conventions (torchrun, Slurm, Open MPI) into a LaunchInfo. Pure
 // functions of an environment map, so every convention and error is unit-tested.
+#include "hddp/comm/launch.h"
+
 #include <cctype>
 #include <limits>
 #include <map>
 #include <set>
 
-#include "hddp/comm/rendezvous.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -112,8 +113,11 @@ std::string firstSlurmHost(const std::string& nodelist) {
   return prefix;
 }
 
-LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
-  LaunchInfo info;
+namespace {
+
+// What a launcher convention (or the options) says, each value with where it came from.
+struct Parsed {
+  Launcher launcher = Launcher::Single;
   Field rank{0, "default"};
   Field world{1, "default"};
   std::optional<Field> localRank;
@@ -122,145 +126,193 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
   std::string addrFrom = "MASTER_ADDR";
   std::optional<int> port;
   std::string portFrom = "MASTER_PORT";
+  int restartCount = 0;
+  bool useAgentStore = false;
 
-  auto masterFromEnv = [&] {
+  void masterFrom(const EnvMap& env) {
     if (const std::string* a = find(env, "MASTER_ADDR")) {
       addr = *a;
     }
     if (find(env, "MASTER_PORT")) {
       port = intVar(env, "MASTER_PORT");
     }
-  };
-
-  if (find(env, "RANK") || find(env, "WORLD_SIZE")) {
-    info.launcher = Launcher::Torchrun;
-    rank = requiredInt(env, "RANK", "WORLD_SIZE is");
-    world = requiredInt(env, "WORLD_SIZE", "RANK is");
-    localRank = optionalInt(env, "LOCAL_RANK");
-    localWorld = optionalInt(env, "LOCAL_WORLD_SIZE");
-    masterFromEnv();
-    if (auto restarts = optionalInt(env, "TORCHELASTIC_RESTART_COUNT")) {
-      info.restartCount = restarts->value;
-    }
-    if (const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE")) {
-      info.useAgentStore = env::parseBool("TORCHELASTIC_USE_AGENT_STORE", *agent);
-    }
-  } else if (find(env, "SLURM_PROCID")) {
-    info.launcher = Launcher::Slurm;
-    rank = requiredInt(env, "SLURM_PROCID", "this looks like a Slurm step");
-    world = requiredInt(env, "SLURM_NTASKS", "SLURM_PROCID is");
-    localRank = optionalInt(env, "SLURM_LOCALID");
-    for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
-      if (const std::string* text = find(env, name)) {
-        if (auto n = firstCount(name, *text)) {
-          localWorld = Field{*n, name};
-          break;
-        }
-      }
-    }
-    if (!localWorld) {
-      const std::string* nodes = find(env, "SLURM_JOB_NUM_NODES");
-      if (!nodes) {
-        nodes = find(env, "SLURM_NNODES");
-      }
-      if (nodes && env::parseInt("SLURM_JOB_NUM_NODES", *nodes) == 1) {
-        localWorld = Field{world.value, "SLURM_NTASKS (single node)"};
-      }
-    }
-    masterFromEnv();
-    if (!addr) {
-      if (const std::string* ip = find(env, "SLURM_LAUNCH_NODE_IPADDR")) {
-        addr = *ip;
-        addrFrom = "SLURM_LAUNCH_NODE_IPADDR";
-      } else if (const std::string* list = find(env, "SLURM_JOB_NODELIST")) {
-        addr = firstSlurmHost(*list);
-        addrFrom = "SLURM_JOB_NODELIST";
-      } else if (const std::string* list2 = find(env, "SLURM_NODELIST")) {
-        addr = firstSlurmHost(*list2);
-        addrFrom = "SLURM_NODELIST";
-      }
-    }
-    if (!port) {
-      if (const std::string* job = find(env, "SLURM_JOB_ID")) {
-        // A port per job, so two jobs sharing a node do not collide.
-        port = 20000 + static_cast<int>(env::parseInt("SLURM_JOB_ID", *job) % 10000);
-        portFrom = "SLURM_JOB_ID";
-      }
-    }
-  } else if (find(env, "OMPI_COMM_WORLD_RANK")) {
-    info.launcher = Launcher::OpenMpi;
-    rank = requiredInt(env, "OMPI_COMM_WORLD_RANK", "this looks like an Open MPI launch");
-    world = requiredInt(env, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK is");
-    localRank = optionalInt(env, "OMPI_COMM_WORLD_LOCAL_RANK");
-    localWorld = optionalInt(env, "OMPI_COMM_WORLD_LOCAL_SIZE");
-    masterFromEnv();
-    addrFrom = "MASTER_ADDR (pass it with mpirun -x MASTER_ADDR=<host of rank 0>)";
-    portFrom = "MASTER_PORT (pass it with mpirun -x MASTER_PORT=<free port>)";
   }
+};
 
-  // Explicit options win over every convention.
+Parsed fromTorchrun(const EnvMap& env) {
+  Parsed p;
+  p.launcher = Launcher::Torchrun;
+  p.rank = requiredInt(env, "RANK", "WORLD_SIZE is");
+  p.world = requiredInt(env, "WORLD_SIZE", "RANK is");
+  p.localRank = optionalInt(env, "LOCAL_RANK");
+  p.localWorld = optionalInt(env, "LOCAL_WORLD_SIZE");
+  p.masterFrom(env);
+  if (auto restarts = optionalInt(env, "TORCHELASTIC_RESTART_COUNT")) {
+    p.restartCount = restarts->value;
+  }
+  if (const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE")) {
+    p.useAgentStore = env::parseBool("TORCHELASTIC_USE_AGENT_STORE", *agent);
+  }
+  return p;
+}
+
+Parsed fromSlurm(const EnvMap& env) {
+  Parsed p;
+  p.launcher = Launcher::Slurm;
+  p.rank = requiredInt(env, "SLURM_PROCID", "this looks like a Slurm step");
+  p.world = requiredInt(env, "SLURM_NTASKS", "SLURM_PROCID is");
+  p.localRank = optionalInt(env, "SLURM_LOCALID");
+  for (const char* name : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+    if (const std::string* text = find(env, name)) {
+      if (auto n = firstCount(name, *text)) {
+        p.localWorld = Field{*n, name};
+        break;
+      }
+    }
+  }
+  if (!p.localWorld) {
+    const std::string* nodes = find(env, "SLURM_JOB_NUM_NODES");
+    if (!nodes) {
+      nodes = find(env, "SLURM_NNODES");
+    }
+    if (nodes && env::parseInt("SLURM_JOB_NUM_NODES", *nodes) == 1) {
+      p.localWorld = Field{p.world.value, "SLURM_NTASKS (single node)"};
+    }
+  }
+  p.masterFrom(env);
+  if (!p.addr) {
+    if (const std::string* ip = find(env, "SLURM_LAUNCH_NODE_IPADDR")) {
+      p.addr = *ip;
+      p.addrFrom = "SLURM_LAUNCH_NODE_IPADDR";
+    } else if (const std::string* list = find(env, "SLURM_JOB_NODELIST")) {
+      p.addr = firstSlurmHost(*list);
+      p.addrFrom = "SLURM_JOB_NODELIST";
+    } else if (const std::string* list2 = find(env, "SLURM_NODELIST")) {
+      p.addr = firstSlurmHost(*list2);
+      p.addrFrom = "SLURM_NODELIST";
+    }
+  }
+  if (!p.port) {
+    if (const std::string* job = find(env, "SLURM_JOB_ID")) {
+      // A port per job, so two jobs sharing a node do not collide.
+      p.port = 20000 + static_cast<int>(env::parseInt("SLURM_JOB_ID", *job) % 10000);
+      p.portFrom = "SLURM_JOB_ID";
+    }
+  }
+  return p;
+}
+
+Parsed fromOpenMpi(const EnvMap& env) {
+  Parsed p;
+  p.launcher = Launcher::OpenMpi;
+  p.rank = requiredInt(env, "OMPI_COMM_WORLD_RANK", "this looks like an Open MPI launch");
+  p.world = requiredInt(env, "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK is");
+  p.localRank = optionalInt(env, "OMPI_COMM_WORLD_LOCAL_RANK");
+  p.localWorld = optionalInt(env, "OMPI_COMM_WORLD_LOCAL_SIZE");
+  p.masterFrom(env);
+  p.addrFrom = "MASTER_ADDR (pass it with mpirun -x MASTER_ADDR=<host of rank 0>)";
+  p.portFrom = "MASTER_PORT (pass it with mpirun -x MASTER_PORT=<free port>)";
+  return p;
+}
+
+// The first convention present in `env`, by precedence; a single process without one.
+Parsed fromEnvironment(const EnvMap& env) {
+  if (find(env, "RANK") || find(env, "WORLD_SIZE")) {
+    return fromTorchrun(env);
+  }
+  if (find(env, "SLURM_PROCID")) {
+    return fromSlurm(env);
+  }
+  if (find(env, "OMPI_COMM_WORLD_RANK")) {
+    return fromOpenMpi(env);
+  }
+  return Parsed{};
+}
+
+// Explicit options win over every convention.
+void applyOptions(const InitOptions& options, Parsed& p) {
   if (options.rank) {
-    rank = Field{*options.rank, "option rank"};
+    p.rank = Field{*options.rank, "option rank"};
   }
   if (options.worldSize) {
-    world = Field{*options.worldSize, "option worldSize"};
+    p.world = Field{*options.worldSize, "option worldSize"};
   }
   if (options.rank && options.worldSize) {
-    info.launcher = Launcher::Explicit;
+    p.launcher = Launcher::Explicit;
   }
   if (options.localRank) {
-    localRank = Field{*options.localRank, "option localRank"};
+    p.localRank = Field{*options.localRank, "option localRank"};
   }
   if (options.localWorldSize) {
-    localWorld = Field{*options.localWorldSize, "option localWorldSize"};
+    p.localWorld = Field{*options.localWorldSize, "option localWorldSize"};
   }
   if (options.masterAddr) {
-    addr = *options.masterAddr;
-    addrFrom = "option masterAddr";
+    p.addr = *options.masterAddr;
+    p.addrFrom = "option masterAddr";
   }
   if (options.masterPort) {
-    port = *options.masterPort;
-    portFrom = "option masterPort";
+    p.port = *options.masterPort;
+    p.portFrom = "option masterPort";
   }
+}
 
+// Checks the values against each other, naming where each came from.
+LaunchInfo validated(Parsed p) {
+  const Field& rank = p.rank;
+  const Field& world = p.world;
   HDDP_CHECK_AS(ConfigError, world.value >= 1, world.from, "=", world.value,
                 " is not a valid world size; it must be at least 1");
   HDDP_CHECK_AS(ConfigError, rank.value >= 0 && rank.value < world.value, rank.from, "=",
                 rank.value, " is not below ", world.from, "=", world.value,
                 "; ranks run from 0 to ", world.value - 1);
-  if (!localRank) {
+  if (!p.localRank) {
     // Without local information assume one node (the usual hand-set case).
-    localRank = Field{rank.value, rank.from + " (no local rank given)"};
+    p.localRank = Field{rank.value, rank.from + " (no local rank given)"};
   }
-  if (!localWorld) {
-    localWorld = Field{std::max(world.value, localRank->value + 1),
-                       world.from + " (no local world size given)"};
+  if (!p.localWorld) {
+    p.localWorld = Field{std::max(world.value, p.localRank->value + 1),
+                         world.from + " (no local world size given)"};
   }
-  HDDP_CHECK_AS(ConfigError, localWorld->value >= 1 && localWorld->value <= world.value,
-                localWorld->from, "=", localWorld->value, " must be between 1 and ", world.from,
-                "=", world.value);
-  HDDP_CHECK_AS(ConfigError, localRank->value >= 0 && localRank->value < localWorld->value,
-                localRank->from, "=", localRank->value, " is not below ", localWorld->from, "=",
-                localWorld->value);
+  const Field& localRank = *p.localRank;
+  const Field& localWorld = *p.localWorld;
+  HDDP_CHECK_AS(ConfigError, localWorld.value >= 1 && localWorld.value <= world.value,
+                localWorld.from, "=", localWorld.value, " must be between 1 and ", world.from, "=",
+                world.value);
+  HDDP_CHECK_AS(ConfigError, localRank.value >= 0 && localRank.value < localWorld.value,
+                localRank.from, "=", localRank.value, " is not below ", localWorld.from, "=",
+                localWorld.value);
   if (world.value > 1) {
-    HDDP_CHECK_AS(ConfigError, addr && !addr->empty(), addrFrom, " is not set but ", world.from,
-                  "=", world.value, ": ranks need the address of rank 0 to meet; set MASTER_ADDR");
-    HDDP_CHECK_AS(ConfigError, port.has_value(), portFrom, " is not set but ", world.from, "=",
+    HDDP_CHECK_AS(ConfigError, p.addr && !p.addr->empty(), p.addrFrom, " is not set but ",
+                  world.from, "=", world.value,
+                  ": ranks need the address of rank 0 to meet; set MASTER_ADDR");
+    HDDP_CHECK_AS(ConfigError, p.port.has_value(), p.portFrom, " is not set but ", world.from, "=",
                   world.value, ": set MASTER_PORT to a free TCP port on rank 0's host");
   }
-  if (port) {
-    HDDP_CHECK_AS(ConfigError, *port > 0 && *port < 65536, portFrom, "=", *port,
+  LaunchInfo info;
+  if (p.port) {
+    HDDP_CHECK_AS(ConfigError, *p.port > 0 && *p.port < 65536, p.portFrom, "=", *p.port,
                   " is not a TCP port (1..65535)");
-    info.masterPort = *port;
+    info.masterPort = *p.port;
   }
-  if (addr) {
-    info.masterAddr = *addr;
+  if (p.addr) {
+    info.masterAddr = *p.addr;
   }
   info.rank = rank.value;
   info.worldSize = world.value;
-  info.localRank = localRank->value;
-  info.localWorldSize = localWorld->value;
+  info.localRank = localRank.value;
+  info.localWorldSize = localWorld.value;
+  info.restartCount = p.restartCount;
+  info.useAgentStore = p.useAgentStore;
+  info.launcher = p.launcher;
   return info;
+}
+
+}  // namespace
+
+LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
+  Parsed parsed = fromEnvironment(env);
+  applyOptions(options, parsed);
+  return validated(std::move(parsed));
 }
 
 c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allowShared) {

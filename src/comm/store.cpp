@@ -61,7 +61,7 @@ Store Store::tcp(const TcpStoreOptions& options) {
     detail::rethrowAsDistributed(std::string(options.isServer ? "starting the TCPStore server on "
                                                               : "connecting to the TCPStore at ") +
                                      where,
-                                 true);
+                                 detail::FailedOperation::Store);
   }
   impl->description = "TCPStore " + options.host + ":" + std::to_string(impl->port);
   if (options.isServer && !loopbackOnly) {
@@ -85,7 +85,7 @@ Store Store::file(const std::string& path, int worldSize, std::chrono::milliseco
     impl->store = c10::make_intrusive<c10d::FileStore>(path, worldSize);
     impl->store->setTimeout(timeout);
   } catch (...) {
-    detail::rethrowAsDistributed("opening the file store " + path, true);
+    detail::rethrowAsDistributed("opening the file store " + path, detail::FailedOperation::Store);
   }
   impl->description = "FileStore " + path;
   return Store(std::move(impl));
@@ -111,7 +111,8 @@ void Store::set(const std::string& key, const std::vector<uint8_t>& value) {
   try {
     impl_->store->set(key, value);
   } catch (...) {
-    detail::rethrowAsDistributed("store set('" + key + "') on " + impl_->description, true);
+    detail::rethrowAsDistributed("store set('" + key + "') on " + impl_->description,
+                                 detail::FailedOperation::Store);
   }
 }
 
@@ -123,7 +124,8 @@ std::vector<uint8_t> Store::get(const std::string& key) {
   try {
     return impl_->store->get(key);
   } catch (...) {
-    detail::rethrowAsDistributed("store get('" + key + "') on " + impl_->description, true);
+    detail::rethrowAsDistributed("store get('" + key + "') on " + impl_->description,
+                                 detail::FailedOperation::Store);
   }
 }
 
@@ -136,7 +138,8 @@ int64_t Store::add(const std::string& key, int64_t delta) {
   try {
     return impl_->store->add(key, delta);
   } catch (...) {
-    detail::rethrowAsDistributed("store add('" + key + "') on " + impl_->description, true);
+    detail::rethrowAsDistributed("store add('" + key + "') on " + impl_->description,
+                                 detail::FailedOperation::Store);
   }
 }
 
@@ -145,7 +148,7 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
     impl_->store->wait(keys, timeout);
   } catch (...) {
     detail::rethrowAsDistributed("store wait(" + keyList(keys) + ") on " + impl_->description,
-                                 true);
+                                 detail::FailedOperation::Store);
   }
 }
 
@@ -156,7 +159,7 @@ bool Store::check(const std::vector<std::string>& keys) {
     return impl_->store->check(keys);
   } catch (...) {
     detail::rethrowAsDistributed("store check(" + keyList(keys) + ") on " + impl_->description,
-                                 true);
+                                 detail::FailedOperation::Store);
   }
 }
 
@@ -164,7 +167,8 @@ bool Store::deleteKey(const std::string& key) {
   try {
     return impl_->store->deleteKey(key);
   } catch (...) {
-    detail::rethrowAsDistributed("store delete('" + key + "') on " + impl_->description, true);
+    detail::rethrowAsDistributed("store delete('" + key + "') on " + impl_->description,
+                                 detail::FailedOperation::Store);
   }
 }
 

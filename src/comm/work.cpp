@@ -27,7 +27,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
       impl_->work->wait(timeout.count() > 0 ? timeout : std::chrono::milliseconds(0));
     } catch (...) {
       impl_->finished = true;  // the error is reported once; the work is over either way
-      detail::rethrowAsDistributed(impl_->description, false);
+      detail::rethrowAsDistributed(impl_->description, detail::FailedOperation::Backend);
     }
   }
   impl_->finished = true;
@@ -46,7 +46,7 @@ void Work::synchronize() {
       impl_->work->synchronize();
     } catch (...) {
       impl_->finished = true;
-      detail::rethrowAsDistributed(impl_->description, false);
+      detail::rethrowAsDistributed(impl_->description, detail::FailedOperation::Backend);
     }
   }
   impl_->finished = true;

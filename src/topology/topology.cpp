@@ -116,7 +116,10 @@ std::vector<DeviceInfo> probeDevices(const TopologyOptions& options) {
   return out;
 }
 
-Bandwidth measureBandwidth(const c10::Device& device, bool pinned, int64_t bytes, int repeats) {
+Bandwidth measureBandwidth(const c10::Device& device, const BandwidthOptions& options) {
+  const bool pinned = options.pinned;
+  const int64_t bytes = options.bytes;
+  const int repeats = options.repeats;
   HDDP_CHECK(bytes > 0 && repeats > 0, "measureBandwidth: ", bytes, " bytes, ", repeats,
              " repeats");
   using Clock = std::chrono::steady_clock;

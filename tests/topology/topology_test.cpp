@@ -126,7 +126,12 @@ TEST(Topology, SpeedsAndRates) {
 }
 
 TEST(Topology, CpuMemoryBandwidthIsMeasured) {
-  auto bw = hddp::measureBandwidth(c10::Device(c10::kCPU), false, 8 << 20, 2);
+  auto bw = hddp::measureBandwidth(c10::Device(c10::kCPU), [] {
+    hddp::BandwidthOptions o;
+    o.bytes = 8 << 20;
+    o.repeats = 2;
+    return o;
+  }());
   EXPECT_GT(bw.hostToDeviceGBps, 0.1);
   EXPECT_GT(bw.deviceToHostGBps, 0.1);
 }
@@ -139,8 +144,10 @@ TEST(Topology, PinnedAndPageableBandwidth_CUDA) {
   ASSERT_GE(devices.size(), 2u);
   EXPECT_FALSE(devices[1].name.empty());
   EXPECT_GT(devices[1].memoryBytes, 0);
-  auto pinned = hddp::measureBandwidth(c10::Device(c10::kCUDA, 0), true);
-  auto pageable = hddp::measureBandwidth(c10::Device(c10::kCUDA, 0), false);
+  hddp::BandwidthOptions pinnedCopies;
+  pinnedCopies.pinned = true;
+  auto pinned = hddp::measureBandwidth(c10::Device(c10::kCUDA, 0), pinnedCopies);
+  auto pageable = hddp::measureBandwidth(c10::Device(c10::kCUDA, 0));
   std::printf("H2D pinned %.2f GB/s, pageable %.2f GB/s\n", pinned.hostToDeviceGBps,
               pageable.hostToDeviceGBps);
   EXPECT_GT(pinned.hostToDeviceGBps, 1.0);

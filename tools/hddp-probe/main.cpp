@@ -52,6 +52,15 @@ std::string gib(int64_t bytes) {
   return b;
 }
 
+// hddp-probe's copies: 32 MiB, best of 3 (a quick look, not a benchmark).
+hddp::BandwidthOptions probeCopies(bool pinned) {
+  hddp::BandwidthOptions o;
+  o.pinned = pinned;
+  o.bytes = 32 << 20;
+  o.repeats = 3;
+  return o;
+}
+
 }  // namespace
 
 int run(int argc, char** argv);
@@ -146,12 +155,12 @@ int run(int argc, char** argv) {
       j["link"] = "memory";
     }
     if (!skipBandwidth && (d.device.is_cuda() || !hasCuda)) {
-      auto pageable = hddp::measureBandwidth(d.device, false, 32 << 20, 3);
+      auto pageable = hddp::measureBandwidth(d.device, probeCopies(/*pinned=*/false));
       j["bandwidth_pageable_GBps"] = {{"h2d", pageable.hostToDeviceGBps},
                                       {"d2h", pageable.deviceToHostGBps}};
       double linkBps = pageable.hostToDeviceGBps * 1e9;
       if (d.device.is_cuda()) {
-        auto pinned = hddp::measureBandwidth(d.device, true, 32 << 20, 3);
+        auto pinned = hddp::measureBandwidth(d.device, probeCopies(/*pinned=*/true));
         j["bandwidth_pinned_GBps"] = {{"h2d", pinned.hostToDeviceGBps},
                                       {"d2h", pinned.deviceToHostGBps}};
         linkBps = pinned.hostToDeviceGBps * 1e9;

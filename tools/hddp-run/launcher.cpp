@@ -190,9 +190,15 @@ class Group {
     return true;
   }
 
-  // Runs until all ranks ended, one failed, or a signal arrived. Returns the exit code
-  // for this attempt (0 = success).
-  int supervise(bool* interrupted) {
+  // How an attempt ended.
+  struct Outcome {
+    int exitCode = 0;          // 0 = every rank succeeded
+    bool interrupted = false;  // a signal stopped the job (no restart then)
+  };
+
+  // Runs until all ranks ended, one failed, or a signal arrived.
+  Outcome supervise() {
+    bool interrupted = false;
     bool stopping = false;
     std::chrono::steady_clock::time_point killAt{};
     int result = 0;
@@ -224,7 +230,7 @@ class Group {
         killAt = std::chrono::steady_clock::now() + std::chrono::hours(1);
       }
       pump(100, [&](int sig) {
-        *interrupted = true;
+        interrupted = true;
         if (!stopping) {
           say(std::string("received SIG") + sigabbrev_np(sig) + "; stopping all ranks");
           signalAll(sig);
@@ -253,7 +259,7 @@ class Group {
         say("rank " + std::to_string(first->globalRank) + " " + describeStatus(first->status));
       }
     }
-    return result;
+    return Outcome{result, interrupted};
   }
 
  private:
@@ -402,16 +408,16 @@ int launch(const LaunchConfig& config) {
         "), store " + config.masterAddr + ":" + std::to_string(port) +
         (attempt > 0 ? ", restart " + std::to_string(attempt) : ""));
     Group group(config, port, attempt);
-    bool interrupted = false;
     if (!group.start()) {
-      group.supervise(&interrupted);
+      group.supervise();
       return 1;
     }
-    result = group.supervise(&interrupted);
+    const Group::Outcome outcome = group.supervise();
+    result = outcome.exitCode;
     if (result == 0) {
       return 0;
     }
-    if (interrupted) {
+    if (outcome.interrupted) {
       return result >= 128 ? result : 130;
     }
     if (attempt < config.maxRestarts) {

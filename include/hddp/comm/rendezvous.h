@@ -1,89 +1,19 @@
-// Who am I in the job, where do we meet, which device do I use.
+// Where do we meet: joining the job (hddp/comm/launch.h says who is who).
 //
-// `detectLaunch()` reads the conventions of the launchers people use, in this order
-// of precedence: explicit options; torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
-// LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT,
-// TORCHELASTIC_USE_AGENT_STORE); Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
-// SLURM_NTASKS_PER_NODE, SLURM_LAUNCH_NODE_IPADDR or the first host of
-// SLURM_JOB_NODELIST); Open MPI (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK,
-// _LOCAL_SIZE). With none of them: a single process (rank 0 of 1). hddp-run sets
-// torchrun's variables.
-//
-// `initFromEnv()` then connects: rank 0 hosts a TCPStore at MASTER_ADDR:MASTER_PORT
-// and the others join it (with TORCHELASTIC_USE_AGENT_STORE=True every rank is a
-// client of torchrun's agent store, under /worker/attempt_<restart count>), checks that
-// no two local ranks claim one CUDA device, and creates the communicator.
+// `initFromEnv()` detects the launch (detectLaunch), then connects: rank 0 hosts a
+// TCPStore at MASTER_ADDR:MASTER_PORT and the others join it (with
+// TORCHELASTIC_USE_AGENT_STORE=True every rank is a client of torchrun's agent store,
+// under /worker/attempt_<restart count>), checks that no two local ranks claim one CUDA
+// device, and creates the communicator.
 #pragma once
 
-#include <c10/core/Device.h>
-
-#include <chrono>
-#include <map>
 #include <memory>
-#include <optional>
-#include <string>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/launch.h"
 #include "hddp/comm/store.h"
 
 namespace hddp {
-
-/// Where the launch information came from.
-enum class Launcher { Explicit, Torchrun, Slurm, OpenMpi, Single };
-const char* launcherName(Launcher launcher) noexcept;
-
-struct LaunchInfo {
-  int rank = 0;
-  int worldSize = 1;
-  int localRank = 0;
-  int localWorldSize = 1;
-  std::string masterAddr = "127.0.0.1";
-  int masterPort = 29500;
-  int restartCount = 0;
-  /// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True).
-  bool useAgentStore = false;
-  Launcher launcher = Launcher::Single;
-};
-
-struct InitOptions {
-  std::optional<int> rank;
-  std::optional<int> worldSize;
-  std::optional<int> localRank;
-  std::optional<int> localWorldSize;
-  std::optional<std::string> masterAddr;
-  std::optional<int> masterPort;
-  /// Default: NCCL when the device is CUDA and NCCL is available, else Gloo
-  /// (HDDP_BACKEND overrides the automatic choice).
-  std::optional<Backend> backend;
-  /// Default: cuda:<local rank> when CUDA is available, else CPU.
-  std::optional<c10::Device> device;
-  /// Default: HDDP_TIMEOUT_SEC, else 30 min (Gloo) / 10 min (NCCL), like PyTorch.
-  std::optional<std::chrono::milliseconds> timeout;
-  /// Let several local ranks share one CUDA device (Gloo only; testing on one GPU).
-  /// Default: HDDP_ALLOW_SHARED_DEVICE (false).
-  std::optional<bool> allowSharedDevice;
-};
-
-/// Environment as a map, so tests can pass their own.
-using EnvMap = std::map<std::string, std::string>;
-EnvMap processEnvironment();
-
-/// Launch information from `options` and `env`; throws hddp::ConfigError naming the
-/// variable when values are missing or inconsistent (RANK >= WORLD_SIZE, no
-/// MASTER_ADDR with WORLD_SIZE > 1, ...).
-LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env);
-
-/// The device this rank should use when none is given: cuda:<localRank> when
-/// `cudaDeviceCount` > 0, else CPU. localRank >= cudaDeviceCount throws
-/// hddp::ConfigError unless `allowShared` (then devices are reused round-robin).
-c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allowShared = false);
-
-/// First host of a Slurm node list: "gpu[01-04,07],login1" -> "gpu01".
-std::string firstSlurmHost(const std::string& nodelist);
-
-/// Checks that no two ranks on one host use the same CUDA device; `claims` are
-/// "host|device" strings indexed by rank. Throws hddp::ConfigError naming both ranks.
-void checkDistinctDevices(const std::vector<std::string>& claims);
 
 /// A joined rank: its launch information, device, store and communicator.
 struct DistributedContext {

@@ -71,9 +71,18 @@ struct Bandwidth {
   bool pinned = false;
 };
 
-/// Measured copy bandwidth between host memory (pinned or pageable) and `device`; for
-/// a CPU device, memory-to-memory copy bandwidth. `bytes` per copy, best of `repeats`.
-Bandwidth measureBandwidth(const c10::Device& device, bool pinned, int64_t bytes = 64 << 20,
-                           int repeats = 5);
+struct BandwidthOptions {
+  /// Page-locked host memory (what a prefetching loader copies from; CUDA only).
+  /// Default false: pageable memory.
+  bool pinned = false;
+  /// Bytes per copy. Default 64 MiB.
+  int64_t bytes = 64 << 20;
+  /// The best of this many timed copies each way (after one warm-up). Default 5.
+  int repeats = 5;
+};
+
+/// Measured copy bandwidth between host memory and `device`; for a CPU device,
+/// memory-to-memory copy bandwidth.
+Bandwidth measureBandwidth(const c10::Device& device, const BandwidthOptions& options = {});
 
 }  // namespace hddp

@@ -60,12 +60,6 @@ std::vector<Variable> makeRegistry() {
        "Let several local ranks use one CUDA device (Gloo staging only; for testing on a "
        "single GPU).",
        {}},
-      {"HDDP_TEST_CRASH_IN_SAVE",
-       Type::Int,
-       "0",
-       "Fault injection (tests only): the process exits halfway through writing its N-th "
-       "state file (0 = off).",
-       {}},
   };
 }
 

@@ -17,7 +17,6 @@ std::mutex gMutex;
 std::unordered_map<std::string, std::shared_ptr<spdlog::logger>> gLoggers;
 spdlog::sink_ptr gSink;
 std::atomic<int> gRank{-1};
-std::atomic<int> gLevel{2};
 
 std::string pattern() {
   const int r = gRank.load();
@@ -65,7 +64,7 @@ void setRank(int rank) noexcept {
   }
 }
 
-void setLevel(int level) noexcept { gLevel.store(level); }
+int rank() noexcept { return gRank.load(); }
 
 }  // namespace sink
 }  // namespace log

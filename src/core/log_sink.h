@@ -11,8 +11,9 @@ namespace sink {
 
 // level: 0 trace .. 5 off, as hddp::log::Level.
 void write(const char* layer, int level, const char* message, std::size_t length) noexcept;
+/// The rank in every line's prefix (-1: none); kept here only.
 void setRank(int rank) noexcept;
-void setLevel(int level) noexcept;
+int rank() noexcept;
 
 }  // namespace sink
 }  // namespace log

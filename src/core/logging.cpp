@@ -15,8 +15,10 @@ namespace {
 
 constexpr const char* kNames[] = {"trace", "debug", "info", "warn", "error", "off"};
 std::atomic<int> gLevel{-1};
-std::atomic<int> gRank{-1};
 std::once_flag gInit;
+std::mutex gHandlerMutex;
+LineHandler gHandler;  // guarded by gHandlerMutex
+std::atomic<bool> gHasHandler{false};
 
 void initFromEnvironment() noexcept {
   std::call_once(gInit, [] {
@@ -73,16 +75,32 @@ void setLevel(Level lvl) noexcept {
 
 bool enabled(Level lvl) noexcept { return lvl != Level::Off && lvl >= level(); }
 
-void setRank(int r) noexcept {
-  gRank.store(r);
-  sink::setRank(r);
-}
+void setRank(int r) noexcept { sink::setRank(r); }
 
-int rank() noexcept { return gRank.load(); }
+int rank() noexcept { return sink::rank(); }
+
+void setLineHandler(LineHandler handler) {
+  std::lock_guard<std::mutex> lock(gHandlerMutex);
+  gHandler = std::move(handler);
+  gHasHandler.store(static_cast<bool>(gHandler));
+}
 
 void write(const char* layer, Level lvl, const std::string& message) noexcept {
   if (!enabled(lvl)) {
     return;
+  }
+  if (gHasHandler.load()) {
+    try {
+      std::lock_guard<std::mutex> lock(gHandlerMutex);
+      if (gHandler) {
+        const int r = rank();
+        gHandler(lvl, (r >= 0 ? "[rank " + std::to_string(r) + "] " : std::string()) + "[hddp." +
+                          (layer ? layer : "core") + "] [" + levelName(lvl) + "] " + message);
+        return;
+      }
+    } catch (...) {
+      return;  // a handler that throws loses its line, as logging never throws
+    }
   }
   sink::write(layer, static_cast<int>(lvl), message.data(), message.size());
 }

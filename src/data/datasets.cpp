@@ -1,3 +1,5 @@
+// The dataset classes: in-memory images, image and segmentation folders, synthetic
+// data, subsets. File formats are in file_formats.cpp, image operations in image_ops.cpp.
 #include "hddp/data/datasets.h"
 
 #include <torch/torch.h>
@@ -11,167 +13,19 @@
 #include <set>
 #include <sstream>
 
+#include "data/image_io.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
-
-#ifdef HDDP_HAVE_ZLIB
-#include <zlib.h>
-#endif
-
-#define STB_IMAGE_IMPLEMENTATION
-#define STBI_FAILURE_USERMSG
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#pragma GCC diagnostic ignored "-Wunused-function"
-#endif
-#include <stb/stb_image.h>
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 namespace fs = std::filesystem;
 
 namespace hddp {
-namespace {
 
-// ---- files ---------------------------------------------------------------------
-
-std::vector<uint8_t> readFile(const std::string& path) {
-  const bool gz = path.size() > 3 && path.compare(path.size() - 3, 3, ".gz") == 0;
-  std::vector<uint8_t> out;
-  if (gz) {
-#ifdef HDDP_HAVE_ZLIB
-    gzFile f = gzopen(path.c_str(), "rb");
-    HDDP_CHECK_AS(DataError, f != nullptr, "cannot open ", path);
-    uint8_t buffer[1 << 16];
-    int n = 0;
-    while ((n = gzread(f, buffer, sizeof(buffer))) > 0) {
-      out.insert(out.end(), buffer, buffer + n);
-    }
-    int err = 0;
-    const char* raw = gzerror(f, &err);
-    std::string message = raw ? raw : "";  // owned by f: copy before gzclose
-    if (message.rfind(path + ": ", 0) == 0) {
-      message.erase(0, path.size() + 2);  // zlib prefixes the path, which we name anyway
-    }
-    gzclose(f);
-    HDDP_CHECK_AS(DataError, n == 0 && (err == Z_OK || err == Z_STREAM_END), "cannot decompress ",
-                  path, " (zlib: ", message.empty() ? "error " + std::to_string(err) : message,
-                  ") after ", out.size(),
-                  " bytes: ", err == Z_BUF_ERROR ? "the file is truncated" : "the file is corrupt",
-                  "; download or copy it again");
-    return out;
-#else
-    HDDP_THROW(DataError, path,
-               " is gzip-compressed but hddp was built without zlib: gunzip it, or "
-               "install zlib1g-dev and rebuild");
-#endif
-  }
-  std::ifstream in(path, std::ios::binary);
-  HDDP_CHECK_AS(DataError, in.good(), "cannot open ", path);
-  out.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  return out;
-}
-
-// `base` or `base`.gz, whichever exists.
-std::string findFile(const std::string& dir, const std::string& base) {
-  for (const char* suffix : {"", ".gz"}) {
-    const fs::path p = fs::path(dir) / (base + suffix);
-    if (fs::exists(p)) {
-      return p.string();
-    }
-  }
-  HDDP_THROW(DataError, "neither ", base, " nor ", base, ".gz in ", dir,
-             " (for Fashion-MNIST: apt-get install dataset-fashion-mnist, which puts them "
-             "in /usr/share/datasets/fashion-mnist)");
-}
-
-uint32_t bigEndian32(const uint8_t* p) {
-  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
-}
-
-bool isImageFile(const fs::path& p) {
-  std::string ext = p.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(),
-                 [](unsigned char c) { return std::tolower(c); });
-  static const std::set<std::string> known{".png", ".jpg", ".jpeg", ".bmp",
-                                           ".tga", ".gif", ".pgm",  ".ppm"};
-  return known.count(ext) > 0;
-}
-
-at::Tensor toFloatImage(const at::Tensor& u8) { return u8.to(at::kFloat).div_(255.0f); }
-
-// [C, H, W] float -> size x size (bilinear), or as is.
-at::Tensor resizeImage(const at::Tensor& image, int size) {
-  if (size <= 0 || (image.size(1) == size && image.size(2) == size)) {
-    return image;
-  }
-  namespace F = torch::nn::functional;
-  return F::interpolate(image.unsqueeze(0), F::InterpolateFuncOptions()
-                                                .size(std::vector<int64_t>{size, size})
-                                                .mode(torch::kBilinear)
-                                                .align_corners(false))
-      .squeeze(0);
-}
-
-at::Tensor resizeMask(const at::Tensor& mask, int size) {
-  if (size <= 0 || (mask.size(0) == size && mask.size(1) == size)) {
-    return mask;
-  }
-  namespace F = torch::nn::functional;
-  return F::interpolate(mask.to(at::kFloat).unsqueeze(0).unsqueeze(0),
-                        F::InterpolateFuncOptions()
-                            .size(std::vector<int64_t>{size, size})
-                            .mode(torch::kNearest))
-      .squeeze(0)
-      .squeeze(0)
-      .to(at::kLong);
-}
-
-}  // namespace
-
-// ---- transform -------------------------------------------------------------------
-
-void applyTransform(const ImageTransform& transform, at::Tensor& image, at::Tensor* mask,
-                    SampleRng& rng) {
-  const int64_t h = image.size(1);
-  const int64_t w = image.size(2);
-  if (transform.padCrop > 0) {
-    const int64_t p = transform.padCrop;
-    std::uniform_int_distribution<int64_t> offset(0, 2 * p);
-    const int64_t dy = offset(rng);
-    const int64_t dx = offset(rng);
-    image = at::constant_pad_nd(image, {p, p, p, p}, 0).narrow(1, dy, h).narrow(2, dx, w);
-    if (mask != nullptr && mask->defined()) {
-      *mask = at::constant_pad_nd(*mask, {p, p, p, p}, 0).narrow(0, dy, h).narrow(1, dx, w);
-    }
-  }
-  if (transform.horizontalFlip) {
-    std::bernoulli_distribution flip(0.5);
-    if (flip(rng)) {
-      image = image.flip({2});
-      if (mask != nullptr && mask->defined()) {
-        *mask = mask->flip({1});
-      }
-    }
-  }
-  if (!transform.mean.empty()) {
-    const int64_t c = image.size(0);
-    HDDP_CHECK_AS(DataError,
-                  static_cast<int64_t>(transform.mean.size()) == c &&
-                      static_cast<int64_t>(transform.std.size()) == c,
-                  "ImageTransform has ", transform.mean.size(), " means and ", transform.std.size(),
-                  " stds for an image of ", c, " channels");
-    auto mean = at::tensor(transform.mean).view({c, 1, 1});
-    auto std = at::tensor(transform.std).view({c, 1, 1});
-    image = (image - mean) / std;
-  }
-  image = image.contiguous();
-  if (mask != nullptr && mask->defined()) {
-    *mask = mask->contiguous();
-  }
-}
+using data::decodeMask;
+using data::isImageFile;
+using data::resizeImage;
+using data::resizeMask;
+using data::toFloatImage;
 
 // ---- in-memory image classification -----------------------------------------------
 
@@ -226,135 +80,7 @@ std::pair<std::vector<float>, std::vector<float>> ImageClassificationDataset::ch
   return {mean, std};
 }
 
-// ---- IDX / MNIST --------------------------------------------------------------------
-
-at::Tensor readIdx(const std::string& path) {
-  const std::vector<uint8_t> bytes = readFile(path);
-  HDDP_CHECK_AS(DataError, bytes.size() >= 4 && bytes[0] == 0 && bytes[1] == 0, path,
-                " is not an IDX file (bad magic number)");
-  const uint8_t type = bytes[2];
-  const int dims = bytes[3];
-  HDDP_CHECK_AS(DataError, dims >= 1 && dims <= 8 && bytes.size() >= 4 + 4 * size_t(dims), path,
-                ": IDX header claims ", dims, " dimensions");
-  std::vector<int64_t> shape;
-  int64_t count = 1;
-  for (int d = 0; d < dims; ++d) {
-    shape.push_back(bigEndian32(&bytes[4 + 4 * d]));
-    count *= shape.back();
-  }
-  at::ScalarType dtype;
-  size_t width = 1;
-  switch (type) {
-    case 0x08:
-      dtype = at::kByte;
-      break;
-    case 0x09:
-      dtype = at::kChar;
-      break;
-    case 0x0B:
-      dtype = at::kShort;
-      width = 2;
-      break;
-    case 0x0C:
-      dtype = at::kInt;
-      width = 4;
-      break;
-    case 0x0D:
-      dtype = at::kFloat;
-      width = 4;
-      break;
-    case 0x0E:
-      dtype = at::kDouble;
-      width = 8;
-      break;
-    default:
-      HDDP_THROW(DataError, path, ": unknown IDX element type 0x", std::hex, int(type));
-  }
-  const size_t header = 4 + 4 * size_t(dims);
-  const size_t expected = header + size_t(count) * width;
-  HDDP_CHECK_AS(DataError, bytes.size() == expected, path,
-                " is truncated or has trailing bytes: ", bytes.size(),
-                " bytes, the header's shape needs ", expected);
-  at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  const uint8_t* src = bytes.data() + header;
-  if (width == 1) {
-    std::memcpy(dst, src, size_t(count));
-  } else {
-    for (int64_t i = 0; i < count; ++i) {  // big-endian elements
-      for (size_t b = 0; b < width; ++b) {
-        dst[size_t(i) * width + b] = src[size_t(i) * width + (width - 1 - b)];
-      }
-    }
-  }
-  return out;
-}
-
-std::shared_ptr<ImageClassificationDataset> loadMnist(const std::string& dir, Split split) {
-  const std::string prefix = split == Split::Train ? "train" : "t10k";
-  const std::string imagesPath = findFile(dir, prefix + "-images-idx3-ubyte");
-  const std::string labelsPath = findFile(dir, prefix + "-labels-idx1-ubyte");
-  at::Tensor images = readIdx(imagesPath);
-  at::Tensor labels = readIdx(labelsPath);
-  HDDP_CHECK_AS(DataError, images.dim() == 3 && images.scalar_type() == at::kByte, imagesPath,
-                ": expected uint8 images [N, H, W], got ", images.sizes());
-  HDDP_CHECK_AS(DataError, labels.dim() == 1 && labels.size(0) == images.size(0), labelsPath, ": ",
-                labels.numel(), " labels for ", images.size(0), " images in ", imagesPath);
-  const std::string name =
-      std::string(fs::path(dir).filename().string().find("fashion") != std::string::npos
-                      ? "Fashion-MNIST"
-                      : "MNIST") +
-      (split == Split::Train ? " train" : " test");
-  return std::make_shared<ImageClassificationDataset>(images.unsqueeze(1), labels, 10, name);
-}
-
-std::shared_ptr<ImageClassificationDataset> loadCifar10(const std::string& dir, Split split) {
-  std::string root = dir;
-  if (!fs::exists(fs::path(root) / "test_batch.bin") &&
-      fs::exists(fs::path(root) / "cifar-10-batches-bin")) {
-    root = (fs::path(root) / "cifar-10-batches-bin").string();
-  }
-  std::vector<std::string> files;
-  if (split == Split::Train) {
-    for (int i = 1; i <= 5; ++i) {
-      files.push_back((fs::path(root) / ("data_batch_" + std::to_string(i) + ".bin")).string());
-    }
-  } else {
-    files.push_back((fs::path(root) / "test_batch.bin").string());
-  }
-  constexpr size_t kRecord = 1 + 3 * 32 * 32;
-  std::vector<uint8_t> all;
-  for (const auto& f : files) {
-    HDDP_CHECK_AS(DataError, fs::exists(f), "CIFAR-10: ", f,
-                  " not found (expected the binary version, cifar-10-binary.tar.gz, unpacked)");
-    auto bytes = readFile(f);
-    HDDP_CHECK_AS(DataError, !bytes.empty() && bytes.size() % kRecord == 0, "CIFAR-10: ", f,
-                  " has ", bytes.size(), " bytes, not a multiple of the ", kRecord, "-byte record");
-    all.insert(all.end(), bytes.begin(), bytes.end());
-  }
-  const int64_t n = static_cast<int64_t>(all.size() / kRecord);
-  at::Tensor raw = at::from_blob(all.data(), {n, static_cast<int64_t>(kRecord)}, at::kByte).clone();
-  at::Tensor labels = raw.select(1, 0).to(at::kLong);
-  at::Tensor images = raw.narrow(1, 1, 3 * 32 * 32).reshape({n, 3, 32, 32}).contiguous();
-  return std::make_shared<ImageClassificationDataset>(
-      images, labels, 10, std::string("CIFAR-10 ") + (split == Split::Train ? "train" : "test"));
-}
-
-// ---- image files ----------------------------------------------------------------------
-
-at::Tensor decodeImage(const std::string& path, int channels) {
-  HDDP_CHECK_AS(DataError, channels == 1 || channels == 3,
-                "decodeImage: channels must be 1 or 3, got ", channels);
-  int w = 0;
-  int h = 0;
-  int n = 0;
-  unsigned char* pixels = stbi_load(path.c_str(), &w, &h, &n, channels);
-  HDDP_CHECK_AS(DataError, pixels != nullptr, "cannot decode image ", path, ": ",
-                stbi_failure_reason() ? stbi_failure_reason() : "unknown error");
-  at::Tensor hwc = at::from_blob(pixels, {h, w, channels}, at::kByte).clone();
-  stbi_image_free(pixels);
-  return hwc.permute({2, 0, 1}).contiguous();
-}
+// ---- image folders ----------------------------------------------------------------------
 
 ImageFolderDataset::ImageFolderDataset(const std::string& dir, int channels, int size)
     : dir_(dir), channels_(channels), size_(size) {
@@ -548,18 +274,6 @@ std::string SyntheticShapesDataset::describe() const {
 }
 
 // ---- segmentation folders -----------------------------------------------------------
-
-namespace {
-
-at::Tensor decodeMask(const std::string& path, bool binary255) {
-  at::Tensor mask = decodeImage(path, 1).squeeze(0).to(at::kLong);
-  if (binary255) {
-    mask = (mask > 0).to(at::kLong);
-  }
-  return mask;
-}
-
-}  // namespace
 
 SegmentationFolderDataset::SegmentationFolderDataset(const std::string& dir, int channels, int size)
     : dir_(dir), channels_(channels), size_(size) {

@@ -13,9 +13,9 @@
 #include <filesystem>
 #include <fstream>
 
-#include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "train/state_file_seam.h"
 
 namespace fs = std::filesystem;
 
@@ -58,12 +58,7 @@ void fsyncDirectory(const std::string& dir) {
   }
 }
 
-// Fault injection for tests: exit halfway through the N-th state file written.
-bool crashThisSave() {
-  static std::atomic<int64_t> saves{0};
-  const int64_t n = env::getInt("HDDP_TEST_CRASH_IN_SAVE");
-  return n > 0 && ++saves == n;
-}
+std::atomic<detail::StateWriteHook> gWriteHook{nullptr};
 
 bool parseStep(const std::string& name, const std::string& prefix, int64_t* step) {
   const std::string suffix = ".hddp";
@@ -84,6 +79,8 @@ bool parseStep(const std::string& name, const std::string& prefix, int64_t* step
 }
 
 }  // namespace
+
+void detail::setStateWriteHook(StateWriteHook hook) noexcept { gWriteHook.store(hook); }
 
 uint32_t crc32Of(const void* data, size_t size) {
   static const std::array<uint32_t, 256> table = makeCrcTable();
@@ -117,13 +114,8 @@ void writeStateFile(const std::string& path, const std::string& payload) {
   HDDP_CHECK_AS(StateError, fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
   try {
     writeAll(fd, header.data(), header.size(), tmp);
-    if (crashThisSave()) {
-      writeAll(fd, payload.data(), payload.size() / 2, tmp);
-      ::fsync(fd);
-      std::fprintf(stderr, "hddp: HDDP_TEST_CRASH_IN_SAVE: exiting halfway through %s\n",
-                   tmp.c_str());
-      std::fflush(stderr);
-      std::_Exit(86);
+    if (const auto hook = gWriteHook.load()) {
+      hook(fd, tmp, payload);
     }
     writeAll(fd, payload.data(), payload.size(), tmp);
     HDDP_CHECK_AS(StateError, ::fsync(fd) == 0, "fsync of ", tmp,

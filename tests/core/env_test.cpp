@@ -6,7 +6,6 @@
 #include <cstdlib>
 
 #include "hddp/core/error.h"
-#include "hddp/core/logging.h"
 
 namespace {
 
@@ -134,28 +133,6 @@ TEST(Env, DumpShowsValueAndWhoSetIt) {
       EXPECT_EQ(s.value, "auto");
     }
   }
-}
-
-TEST(Logging, ParseLevels) {
-  using hddp::log::Level;
-  EXPECT_EQ(hddp::log::parseLevel("DEBUG"), Level::Debug);
-  EXPECT_EQ(hddp::log::parseLevel("warning"), Level::Warn);
-  EXPECT_EQ(hddp::log::parseLevel("off"), Level::Off);
-  EXPECT_THROW(hddp::log::parseLevel("loud"), hddp::ConfigError);
-}
-
-TEST(Logging, LinesCarryRankAndLayerAndRespectTheLevel) {
-  ::testing::internal::CaptureStderr();
-  hddp::log::setLevel(hddp::log::Level::Info);
-  hddp::log::setRank(3);
-  HDDP_LOG_INFO("comm", "visible ", 42);
-  HDDP_LOG_DEBUG("comm", "hidden");
-  hddp::log::setRank(-1);
-  const std::string out = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(out.find("[rank 3]"), std::string::npos) << out;
-  EXPECT_NE(out.find("[hddp.comm]"), std::string::npos) << out;
-  EXPECT_NE(out.find("visible 42"), std::string::npos) << out;
-  EXPECT_EQ(out.find("hidden"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +22,7 @@
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/state_file.h"
 #include "support/ranks.h"
+#include "train/state_file_seam.h"
 
 namespace fs = std::filesystem;
 using hddp::testing::expectAllSucceeded;
@@ -192,10 +196,36 @@ TEST(StateFile, OverlongStepNumberInAFileNameIsNamed) {
   }
 }
 
+namespace {
+
+// This process dies halfway through writing its n-th state file from now on (exit code
+// 86), through the write path's test seam.
+void crashInSave(int n) {
+  static std::atomic<int> target{0};
+  static std::atomic<int> saves{0};
+  target = n;
+  saves = 0;
+  hddp::detail::setStateWriteHook([](int fd, const std::string& tmp, const std::string& payload) {
+    if (++saves != target.load()) {
+      return;
+    }
+    const ssize_t half = static_cast<ssize_t>(payload.size() / 2);
+    if (::write(fd, payload.data(), static_cast<size_t>(half)) != half) {
+      std::fprintf(stderr, "test: short write to %s\n", tmp.c_str());
+    }
+    ::fsync(fd);
+    std::fprintf(stderr, "test: exiting halfway through %s\n", tmp.c_str());
+    std::fflush(stderr);
+    std::_Exit(86);
+  });
+}
+
+}  // namespace
+
 TEST(StateFile, CrashDuringSaveLeavesThePreviousFileLoadable) {
   const std::string dir = sharedDir("HDDP_TEST_STATE_DIR");
   auto outcomes = runProcesses(1, [](int, int, hddp::Store&) {
-    setenv("HDDP_TEST_CRASH_IN_SAVE", "2", 1);
+    crashInSave(2);
     const std::string d = envOr("HDDP_TEST_STATE_DIR");
     hddp::writeStateFile(hddp::stateFileName(d, 1), std::string(100000, 'a'));
     hddp::writeStateFile(hddp::stateFileName(d, 2), std::string(100000, 'b'));  // dies here
@@ -241,7 +271,7 @@ void phaseBody(int rank, int size, hddp::Store& store) {
     EXPECT_EQ(s.steps, 4);
     EXPECT_EQ(s.totalSteps, 10);
   } else if (phase == "crash") {
-    setenv("HDDP_TEST_CRASH_IN_SAVE", "2", 1);  // rank 0 dies writing its 2nd state file
+    crashInSave(2);  // rank 0 dies writing its 2nd state file
     trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
       o.saveDir = d + "/c";
       o.saveEvery = 2;

@@ -10,6 +10,7 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <functional>
 #include <string>
 
 namespace hddp {
@@ -32,6 +33,13 @@ int rank() noexcept;
 
 /// Writes one line to the logger "hddp.<layer>" (stderr). Never throws.
 void write(const char* layer, Level level, const std::string& message) noexcept;
+
+/// Receives each line that passes the level threshold, as "[rank 3] [hddp.comm] [info]
+/// message" (no time stamp), instead of stderr. For tests, and for programs that route
+/// hddp's log lines themselves. Called under a lock: it must not log.
+using LineHandler = std::function<void(Level level, const std::string& line)>;
+/// Installs `handler`; an empty one restores stderr. Thread-safe.
+void setLineHandler(LineHandler handler);
 
 namespace detail {
 template <typename MakeMessage>

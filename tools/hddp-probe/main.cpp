@@ -76,7 +76,10 @@ int main(int argc, char** argv) {
   return 1;
 }
 
-int run(int argc, char** argv) {
+namespace {
+
+// What the command line asks for.
+struct ProbeOptions {
   int64_t globalBatch = 256;
   double sampleBytes = 3 * 32 * 32 * 4;
   double sampleMiB = 0;
@@ -84,37 +87,22 @@ int run(int argc, char** argv) {
   std::string sysfs = "/sys";
   bool asJson = false;
   bool skipBandwidth = false;
-  CLI::App app{
-      "hddp-probe: devices, links, eGPUs, bandwidth, versions, advice, and the batch split hddp "
-      "would use"};
-  app.add_option("--global-batch", globalBatch, "Global batch to split")->capture_default_str();
-  app.add_option("--sample-bytes", sampleBytes, "Input bytes per sample moved to the device")
-      ->capture_default_str();
-  app.add_option("--sample-mib", sampleMiB,
-                 "Device memory per sample (MiB) for the memory cap; 0 = no cap");
-  app.add_option("--cpu-ranks", cpuRanks, "Without CUDA: CPU ranks to plan for")
-      ->capture_default_str();
-  app.add_option("--sysfs", sysfs, "sysfs root (for fixtures)")->capture_default_str();
-  app.add_flag("--json", asJson, "Machine-readable output");
-  app.add_flag("--no-bandwidth", skipBandwidth, "Skip the bandwidth measurement");
-  CLI11_PARSE(app, argc, argv);
-  hddp::log::setLevel(hddp::log::Level::Warn);
+};
 
-  json out;
+json versions(bool hasCuda) {
   auto& hooks = at::detail::getCUDAHooks();
-  const bool hasCuda = hooks.hasCUDA();
-  out["versions"] = {{"hddp", hddp::version()},
-                     {"libtorch", TORCH_VERSION},
-                     {"cuda_runtime", hasCuda ? std::to_string(hooks.versionCUDART()) : "none"},
-                     {"cudnn", hasCuda ? std::to_string(hooks.versionCuDNN()) : "none"},
-                     {"nccl", hddp::ncclVersion()},
-                     {"built_with_cuda", hddp::builtWithCuda()}};
-  hddp::TopologyOptions topo;
-  topo.sysfsRoot = sysfs;
-  auto devices = hddp::probeDevices(topo);
-  std::vector<std::string> advice;
-  std::vector<hddp::RankCost> costs;
-  std::vector<std::string> rankDevice;
+  return {{"hddp", hddp::version()},
+          {"libtorch", TORCH_VERSION},
+          {"cuda_runtime", hasCuda ? std::to_string(hooks.versionCUDART()) : "none"},
+          {"cudnn", hasCuda ? std::to_string(hooks.versionCuDNN()) : "none"},
+          {"nccl", hddp::ncclVersion()},
+          {"built_with_cuda", hddp::builtWithCuda()}};
+}
+
+// Each device as JSON: properties, link, eGPU, measured bandwidth; advice on the way.
+json describeDevices(const std::vector<hddp::DeviceInfo>& devices, const ProbeOptions& o,
+                     bool hasCuda, std::vector<std::string>& advice) {
+  const bool skipBandwidth = o.skipBandwidth;
   json devs = json::array();
   for (const auto& d : devices) {
     json j = {{"device", d.device.str()}, {"name", d.name}, {"memory_bytes", d.memoryBytes}};
@@ -169,14 +157,28 @@ int run(int argc, char** argv) {
     }
     devs.push_back(j);
   }
-  out["devices"] = devs;
-  if (!hasCuda) {
-    advice.push_back(
-        "no CUDA device is visible: check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES, and that "
-        "this LibTorch is a CUDA build; planning for CPU ranks");
-  }
-  // The split: one rank per CUDA device, else --cpu-ranks CPU ranks.
+  return devs;
+}
+
+// The split hddp would use: one rank per CUDA device (else o.cpuRanks CPU ranks), each
+// calibrated once per device, with links and memory caps.
+struct ProbePlan {
   std::vector<c10::Device> rankDevices;
+  std::vector<hddp::RankCost> costs;
+  hddp::BatchPlan plan;
+  hddp::BatchPlan equal;
+  json ranks;
+};
+
+ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& devs,
+                    const ProbeOptions& o) {
+  const int64_t globalBatch = o.globalBatch;
+  const double sampleBytes = o.sampleBytes;
+  const double sampleMiB = o.sampleMiB;
+  const int cpuRanks = o.cpuRanks;
+  ProbePlan result;
+  std::vector<c10::Device>& rankDevices = result.rankDevices;
+  std::vector<hddp::RankCost>& costs = result.costs;
   for (const auto& d : devices) {
     if (d.device.is_cuda()) rankDevices.push_back(d.device);
   }
@@ -222,8 +224,9 @@ int run(int argc, char** argv) {
                      {"link_GBps", c.linkBytesPerSecond / 1e9},
                      {"emulated_slowdown", emulation.slowdown}});
   }
-  hddp::BatchPlan plan = hddp::solveSplit(costs, globalBatch);
-  hddp::BatchPlan equal = hddp::equalSplit(static_cast<int>(costs.size()), globalBatch);
+  result.plan = hddp::solveSplit(costs, globalBatch);
+  result.equal = hddp::equalSplit(static_cast<int>(costs.size()), globalBatch);
+  const hddp::BatchPlan& plan = result.plan;
   for (size_t r = 0; r < ranks.size(); ++r) {
     ranks[r]["local_batch"] = plan.local[r];
     ranks[r]["predicted_step_s"] = costs[r].predict(plan.local[r]);
@@ -231,20 +234,20 @@ int run(int argc, char** argv) {
                                  ? json(nullptr)
                                  : json(costs[r].maxSamples);
   }
-  out["plan"] = {{"global_batch", globalBatch},
-                 {"ranks", ranks},
-                 {"predicted_step_s", plan.predictedStepSeconds},
-                 {"equal_split_predicted_step_s", hddp::predictedSeconds(costs, equal.local)}};
-  json env = json::array();
-  for (const auto& s : hddp::env::describe()) {
-    env.push_back({{"name", s.name}, {"value", s.value}, {"set_by", s.setBy}});
-  }
-  out["environment"] = env;
-  out["advice"] = advice;
-  if (asJson) {
-    std::cout << out.dump(1) << "\n";
-    return 0;
-  }
+  result.ranks = ranks;
+  return result;
+}
+
+// The human-readable report (--json prints `out` instead).
+void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, const json& devs,
+                 const ProbePlan& p, const ProbeOptions& o,
+                 const std::vector<std::string>& advice) {
+  const int64_t globalBatch = o.globalBatch;
+  const double sampleBytes = o.sampleBytes;
+  const auto& costs = p.costs;
+  const auto& rankDevices = p.rankDevices;
+  const auto& plan = p.plan;
+  const auto& equal = p.equal;
   std::printf("hddp %s, LibTorch %s, CUDA runtime %s, cuDNN %s, NCCL %s\n\n", hddp::version(),
               TORCH_VERSION, out["versions"]["cuda_runtime"].get<std::string>().c_str(),
               out["versions"]["cudnn"].get<std::string>().c_str(), hddp::ncclVersion().c_str());
@@ -299,5 +302,57 @@ int run(int argc, char** argv) {
   std::printf("\nAdvice\n");
   if (advice.empty()) std::printf("  nothing to report\n");
   for (const auto& a : advice) std::printf("  - %s\n", a.c_str());
+}
+
+}  // namespace
+
+int run(int argc, char** argv) {
+  ProbeOptions o;
+  CLI::App app{
+      "hddp-probe: devices, links, eGPUs, bandwidth, versions, advice, and the batch split hddp "
+      "would use"};
+  app.add_option("--global-batch", o.globalBatch, "Global batch to split")->capture_default_str();
+  app.add_option("--sample-bytes", o.sampleBytes, "Input bytes per sample moved to the device")
+      ->capture_default_str();
+  app.add_option("--sample-mib", o.sampleMiB,
+                 "Device memory per sample (MiB) for the memory cap; 0 = no cap");
+  app.add_option("--cpu-ranks", o.cpuRanks, "Without CUDA: CPU ranks to plan for")
+      ->capture_default_str();
+  app.add_option("--sysfs", o.sysfs, "sysfs root (for fixtures)")->capture_default_str();
+  app.add_flag("--json", o.asJson, "Machine-readable output");
+  app.add_flag("--no-bandwidth", o.skipBandwidth, "Skip the bandwidth measurement");
+  CLI11_PARSE(app, argc, argv);
+  hddp::log::setLevel(hddp::log::Level::Warn);
+
+  const bool hasCuda = at::detail::getCUDAHooks().hasCUDA();
+  json out;
+  out["versions"] = versions(hasCuda);
+  hddp::TopologyOptions topo;
+  topo.sysfsRoot = o.sysfs;
+  const auto devices = hddp::probeDevices(topo);
+  std::vector<std::string> advice;
+  const json devs = describeDevices(devices, o, hasCuda, advice);
+  out["devices"] = devs;
+  if (!hasCuda) {
+    advice.push_back(
+        "no CUDA device is visible: check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES, and that "
+        "this LibTorch is a CUDA build; planning for CPU ranks");
+  }
+  const ProbePlan p = planSplit(devices, devs, o);
+  out["plan"] = {{"global_batch", o.globalBatch},
+                 {"ranks", p.ranks},
+                 {"predicted_step_s", p.plan.predictedStepSeconds},
+                 {"equal_split_predicted_step_s", hddp::predictedSeconds(p.costs, p.equal.local)}};
+  json env = json::array();
+  for (const auto& s : hddp::env::describe()) {
+    env.push_back({{"name", s.name}, {"value", s.value}, {"set_by", s.setBy}});
+  }
+  out["environment"] = env;
+  out["advice"] = advice;
+  if (o.asJson) {
+    std::cout << out.dump(1) << "\n";
+  } else {
+    printReport(out, devices, devs, p, o, advice);
+  }
   return 0;
 }

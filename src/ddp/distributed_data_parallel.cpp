@@ -13,7 +13,9 @@
 #include <unordered_map>
 
 #include "core/gradient_capture.h"
+#include "ddp/bucketing.h"
 #include "ddp/coalesced.h"
+#include "ddp/ready_hook.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 
@@ -25,30 +27,6 @@ using Clock = std::chrono::steady_clock;
 double secondsBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
-
-// Runs after AccumulateGrad has added a gradient into the parameter's .grad. Kept in
-// the parameter's own autograd metadata (not on its gradient accumulator node), so it
-// survives Module::load(), Tensor::set_() and anything else that gives the parameter
-// a new accumulator. A hook the user had installed before runs first.
-class ReadyHook : public torch::autograd::PostAccumulateGradHook {
- public:
-  ReadyHook(std::function<void()> onReady,
-            std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous)
-      : onReady_(std::move(onReady)), previous_(std::move(previous)) {}
-  void operator()(const torch::autograd::Variable& tensor) override {
-    if (previous_) {
-      (*previous_)(tensor);
-    }
-    onReady_();
-  }
-  std::unique_ptr<torch::autograd::PostAccumulateGradHook> takePrevious() {
-    return std::move(previous_);
-  }
-
- private:
-  std::function<void()> onReady_;
-  std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous_;
-};
 
 }  // namespace
 
@@ -120,8 +98,8 @@ class DistributedDataParallel::Impl {
       bufferNames_.push_back(item.key());
     }
     weight_ = 1.0 / comm_.size();
-    checkOneDevice();
-    checkModelsAgree();
+    ddp::checkOneDevice(named(Naming::Bare));
+    ddp::checkModelsAgree(comm_, named(Naming::WithKinds));
     if (options_.broadcastOnConstruction && comm_.size() > 1) {
       std::vector<at::Tensor> all;
       for (const auto& p : params_) {
@@ -146,7 +124,7 @@ class DistributedDataParallel::Impl {
     for (auto& p : params_) {
       try {
         auto& hook = torch::autograd::impl::post_acc_grad_hooks(p.tensor);
-        if (auto* ours = dynamic_cast<ReadyHook*>(hook.get())) {
+        if (auto* ours = dynamic_cast<ddp::ReadyHook*>(hook.get())) {
           hook = ours->takePrevious();
         }
         p.tensor.remove_hook(p.preHookIndex);
@@ -195,7 +173,8 @@ class DistributedDataParallel::Impl {
     });
     auto& slot = torch::autograd::impl::post_acc_grad_hooks(p.tensor);
     torch::autograd::impl::set_post_acc_grad_hooks(
-        p.tensor, std::make_unique<ReadyHook>([this, i] { onGradientReady(i); }, std::move(slot)));
+        p.tensor,
+        std::make_unique<ddp::ReadyHook>([this, i] { onGradientReady(i); }, std::move(slot)));
   }
 
   // PyTorch's semantics for a gradient that the user did not clear between two
@@ -235,7 +214,7 @@ class DistributedDataParallel::Impl {
     }
     if (!stepActive_) {
       beginStep();
-      torch::autograd::Engine::get_default_engine().queue_callback([this] { finishBackward(); });
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
     }
     markReady(index, /*duringBackward=*/true);
   }
@@ -374,8 +353,6 @@ class DistributedDataParallel::Impl {
   }
 
   // The end of a synchronized backward (queued on the autograd engine).
-  void finishBackward() { finalize(); }
-
   void finalize() {
     HDDP_CHECK(!noSync_,
                "finalize() inside noSync(): gradients are only synchronized "
@@ -492,30 +469,12 @@ class DistributedDataParallel::Impl {
   // ---- buckets ----------------------------------------------------------------------
 
   void buildBuckets(const std::vector<int>& order) {
-    struct Open {
-      int bucket = -1;
-      int64_t bytes = 0;
-      int filled = 0;  // buckets closed so far for this dtype/device
-    };
-    std::map<std::pair<int, std::string>, Open> open;
-    std::vector<std::vector<int>> assignment;
-    for (int index : order) {
-      const at::Tensor& t = params_[index].tensor;
-      auto key = std::make_pair(static_cast<int>(t.scalar_type()), t.device().str());
-      Open& o = open[key];
-      const int64_t cap = o.filled == 0 ? options_.firstBucketBytes : options_.bucketCapBytes;
-      if (o.bucket < 0) {
-        o.bucket = static_cast<int>(assignment.size());
-        assignment.emplace_back();
-      }
-      assignment[o.bucket].push_back(index);
-      o.bytes += t.numel() * static_cast<int64_t>(t.element_size());
-      if (o.bytes >= cap) {
-        o.bucket = -1;
-        o.bytes = 0;
-        ++o.filled;
-      }
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : params_) {
+      tensors.push_back(p.tensor);
     }
+    const auto assignment =
+        ddp::assignBuckets(tensors, order, options_.firstBucketBytes, options_.bucketCapBytes);
     std::vector<Bucket> buckets(assignment.size());
     for (size_t bi = 0; bi < assignment.size(); ++bi) {
       Bucket& b = buckets[bi];
@@ -584,77 +543,32 @@ class DistributedDataParallel::Impl {
                    " bucket(s) from the observed gradient order");
   }
 
-  // ---- construction checks ------------------------------------------------------------
+  // ---- construction checks (ddp/model_checks.h) ------------------------------------
 
-  // Gradients of parameters on different devices arrive on different autograd threads,
-  // which would race on the step's state; PyTorch's DDP likewise wants one device per
-  // process for a single-device module.
-  void checkOneDevice() const {
-    const at::Tensor* first = nullptr;
-    std::string firstName;
-    auto check = [&](const std::string& name, const at::Tensor& t) {
-      if (!first) {
-        first = &t;
-        firstName = name;
-        return;
-      }
-      HDDP_CHECK_AS(ConfigError, t.device() == first->device(), "DistributedDataParallel wraps ",
-                    "a module on one device, but parameter '", firstName, "' is on ",
-                    first->device(), " and '", name, "' on ", t.device(),
-                    ". Move the whole module with module->to(device) (one device per rank; "
-                    "a model split over devices is not supported)");
+  enum class Naming {
+    /// Parameters and frozen parameters by their names (the device check).
+    Bare,
+    /// Every tensor, buffers included, as "param <name>", "frozen <name>", "buffer
+    /// <name>" (the model signature).
+    WithKinds,
+  };
+  std::vector<std::pair<std::string, at::Tensor>> named(Naming naming) const {
+    const bool kinds = naming == Naming::WithKinds;
+    const bool withBuffers = kinds;
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    auto add = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+      out.emplace_back(kinds ? std::string(kind) + " " + name : name, t);
     };
     for (const auto& p : params_) {
-      check(p.name, p.tensor);
+      add("param", p.name, p.tensor);
     }
     for (size_t i = 0; i < frozen_.size(); ++i) {
-      check(frozenNames_[i], frozen_[i]);
+      add("frozen", frozenNames_[i], frozen_[i]);
     }
-  }
-
-  void checkModelsAgree() {
-    std::ostringstream sig;
-    auto describe = [&](const std::string& kind, const std::string& name, const at::Tensor& t) {
-      sig << kind << ' ' << name << ' ' << t.scalar_type() << ' ' << t.sizes() << '\n';
-    };
-    for (const auto& p : params_) {
-      describe("param", p.name, p.tensor);
+    for (size_t i = 0; withBuffers && i < buffers_.size(); ++i) {
+      add("buffer", bufferNames_[i], buffers_[i]);
     }
-    for (size_t i = 0; i < frozen_.size(); ++i) {
-      describe("frozen", frozenNames_[i], frozen_[i]);
-    }
-    for (size_t i = 0; i < buffers_.size(); ++i) {
-      describe("buffer", bufferNames_[i], buffers_[i]);
-    }
-    const std::string mine = sig.str();
-    if (comm_.size() == 1) {
-      return;
-    }
-    auto all = comm_.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
-    const std::string reference(all[0].begin(), all[0].end());
-    for (int r = 1; r < comm_.size(); ++r) {
-      const std::string other(all[r].begin(), all[r].end());
-      if (other == reference) {
-        continue;
-      }
-      std::istringstream a(reference);
-      std::istringstream b(other);
-      std::string la;
-      std::string lb;
-      int line = 0;
-      while (true) {
-        const bool ga = static_cast<bool>(std::getline(a, la));
-        const bool gb = static_cast<bool>(std::getline(b, lb));
-        if (!ga || !gb || la != lb) {
-          HDDP_THROW(ConfigError, "the model differs between rank 0 and rank ", r, " at entry ",
-                     line, ": rank 0 has '", ga ? la : std::string("nothing more"), "', rank ", r,
-                     " has '", gb ? lb : std::string("nothing more"),
-                     "'. Every rank must build the same model (same layers, shapes, dtypes and "
-                     "requires_grad flags) before wrapping it.");
-        }
-        ++line;
-      }
-    }
+    return out;
   }
 
   std::vector<std::vector<std::string>> layout() const {

@@ -42,7 +42,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
     repeatStep(batch, outOfMemory, clock.start);
     return false;
   }
-  const bool stepped = optimizerStep(clock);
+  const bool stepped = optimizerStep(batch, clock);
   const double compute = measureAndReplan(batch, clock);
   report(batch, info, clock, compute, stepped);
   return true;
@@ -112,9 +112,10 @@ void Trainer::Impl::repeatStep(const Batch& batch, const std::string& mine, Cloc
 }
 
 // Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
-bool Trainer::Impl::optimizerStep(StepClock& clock) {
+bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
   clock.backwardEnd = Clock::now();
-  timeline_.add("backward", clock.forwardEnd, clock.backwardEnd, step_);
+  timeline_.add("backward", clock.forwardEnd, clock.backwardEnd, step_, Track::Training,
+                batch.share.localBatch);
   if (options_.clipGradNorm > 0) {
     scaler_->unscale(optimizer_);
     torch::nn::utils::clip_grad_norm_(model_->parameters(), options_.clipGradNorm);

@@ -50,7 +50,7 @@ class Trainer::Impl {
   /// After an abandoned step: learn the memory caps, re-plan, rewind the loader.
   void repeatStep(const Batch& batch, const std::string& mine, Clock::time_point start);
   /// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
-  bool optimizerStep(StepClock& clock);
+  bool optimizerStep(const Batch& batch, StepClock& clock);
   /// This rank's compute seconds, given to the planner, which may re-split.
   double measureAndReplan(const Batch& batch, StepClock& clock);
   void report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,

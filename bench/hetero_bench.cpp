@@ -66,7 +66,6 @@ int main(int argc, char** argv) {
     ddp = std::make_unique<hddp::DistributedDataParallel>(model, *ctx->communicator);
     hddp::PlannerOptions po(globalBatch);
     po.rebalanceEvery = rebalanceEvery;
-    po.window = 5;
     po.calibrationSteps = warmup;  // warm start: plan from the untimed warm-up steps
     planner = std::make_unique<hddp::BatchPlanner>(*ctx->communicator, po);
   }

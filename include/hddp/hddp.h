@@ -3,6 +3,7 @@
 
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/batch_plan.h"
+#include "hddp/balance/cost_model.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/balance/planner.h"
 #include "hddp/checkpoint/checkpoint.h"
@@ -14,6 +15,7 @@
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/core/step_timer.h"
 #include "hddp/data/dataset.h"
 #include "hddp/data/datasets.h"
 #include "hddp/data/distributed_sampler.h"

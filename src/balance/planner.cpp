@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <sstream>
 #include <string>
 
 #include "hddp/core/error.h"
@@ -24,10 +25,164 @@ std::string describeCaps(const std::vector<int64_t>& caps) {
   return text + "]";
 }
 
+// "rank 0: 1.2 ms/sample +-3%, fixed 0.4 ms, link 2.8 GB/s; rank 1: ..."
+std::string describeCosts(const std::vector<RankCost>& costs, const std::vector<double>& errors) {
+  std::ostringstream os;
+  os.precision(3);
+  for (size_t r = 0; r < costs.size(); ++r) {
+    const RankCost& c = costs[r];
+    os << (r ? "; " : "") << "rank " << r << ": " << c.secondsPerSample * 1e3 << " ms/sample";
+    if (r < errors.size()) {
+      os << " +-" << errors[r] * 100 << "%";
+    }
+    os << ", fixed " << c.fixedSeconds * 1e3 << " ms";
+    if (c.linkBytesPerSecond > 0 && c.bytesPerSample > 0) {
+      os << ", input " << c.transferSecondsPerSample() * 1e3 << " ms/sample over "
+         << c.linkBytesPerSecond / 1e9 << " GB/s" << (c.transferOverlapped ? " (overlapped)" : "");
+    }
+  }
+  return os.str();
+}
+
 double median(std::vector<double> v) {
+  if (v.empty()) {
+    return 0.0;
+  }
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median and the standard error of the median (normal errors: 1.2533 sigma / sqrt(n),
+// sigma from the median absolute deviation, 1.4826 MAD), in absolute units.
+struct Location {
+  double median = 0.0;
+  double error = 0.0;
+};
+
+Location locate(const std::vector<double>& v) {
+  Location l;
+  l.median = median(v);
+  if (v.size() < 2) {
+    l.error = 0.5 * std::abs(l.median);  // one step: no spread to go by
+    return l;
+  }
+  std::vector<double> deviation;
+  for (double x : v) {
+    deviation.push_back(std::abs(x - l.median));
+  }
+  l.error = 1.2533 * 1.4826 * median(deviation) / std::sqrt(static_cast<double>(v.size()));
+  return l;
+}
+
+// The mean of the middle 60% (20% trimmed each side): nearly as efficient as the mean
+// for light-tailed noise, and a slow outlier step (a page fault, a collector) does not
+// move it. With fewer than 5 values, the median.
+constexpr double kTrim = 0.2;
+
+double trimmedMean(std::vector<double> v) {
+  if (v.size() < 5) {
+    return median(v);
+  }
+  std::sort(v.begin(), v.end());
+  const auto g = static_cast<size_t>(kTrim * static_cast<double>(v.size()));
+  double sum = 0.0;
+  for (size_t i = g; i < v.size() - g; ++i) {
+    sum += v[i];
+  }
+  return sum / static_cast<double>(v.size() - 2 * g);
+}
+
+// The standard deviation of the trimmed mean's terms: the winsorized standard deviation
+// over (1 - 2 x trim) (Tukey-McLaughlin); the trimmed mean's standard error is this
+// over sqrt(n).
+double trimmedSpread(std::vector<double> v) {
+  if (v.size() < 2) {
+    return 0.5 * std::abs(median(v));  // one step: no spread to go by
+  }
+  std::sort(v.begin(), v.end());
+  const auto g = static_cast<size_t>(kTrim * static_cast<double>(v.size()));
+  for (size_t i = 0; i < g; ++i) {
+    v[i] = v[g];
+    v[v.size() - 1 - i] = v[v.size() - 1 - g];
+  }
+  double mean = 0.0;
+  for (double x : v) {
+    mean += x;
+  }
+  mean /= static_cast<double>(v.size());
+  double ss = 0.0;
+  for (double x : v) {
+    ss += (x - mean) * (x - mean);
+  }
+  const double sd = std::sqrt(ss / static_cast<double>(v.size() - 1));
+  return sd / (1.0 - 2.0 * kTrim);
+}
+
+// Compute time f + c b fitted to steps [from, to).
+struct Fit {
+  double perSample = 0.0;
+  double fixed = 0.0;
+};
+
+Fit fitCompute(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to) {
+  Fit fit;
+  double lo = std::numeric_limits<double>::max();
+  double hi = 0.0;
+  for (size_t i = from; i < to; ++i) {
+    lo = std::min(lo, w[i].samples);
+    hi = std::max(hi, w[i].samples);
+  }
+  if (to > from + 1 && hi >= 1.25 * lo) {
+    std::vector<double> slopes;
+    for (size_t i = from; i < to; ++i) {
+      for (size_t j = i + 1; j < to; ++j) {
+        if (w[i].samples != w[j].samples) {
+          slopes.push_back((w[j].compute - w[i].compute) / (w[j].samples - w[i].samples));
+        }
+      }
+    }
+    fit.perSample = median(slopes);
+    if (fit.perSample > 0) {
+      std::vector<double> intercepts;
+      for (size_t i = from; i < to; ++i) {
+        intercepts.push_back(w[i].compute - fit.perSample * w[i].samples);
+      }
+      fit.fixed = std::max(0.0, median(intercepts));
+      return fit;
+    }
+  }
+  std::vector<double> fixed;
+  std::vector<double> perSample;
+  for (size_t i = from; i < to; ++i) {
+    fixed.push_back(w[i].fixed);
+  }
+  fit.fixed = median(fixed);
+  for (size_t i = from; i < to; ++i) {
+    perSample.push_back(std::max(w[i].compute - fit.fixed, 0.1 * w[i].compute) / w[i].samples);
+  }
+  fit.perSample = trimmedMean(perSample);
+  return fit;
+}
+
+// Measured time over the fit's prediction, per step (1 = as predicted).
+std::vector<double> ratios(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to,
+                           const Fit& fit) {
+  std::vector<double> out;
+  for (size_t i = from; i < to; ++i) {
+    const double predicted = fit.fixed + fit.perSample * w[i].samples;
+    out.push_back(predicted > 0 ? w[i].compute / predicted : 1.0);
+  }
+  return out;
+}
+
+std::vector<double> transferPerSample(const std::deque<RankEstimator::Sample>& w, size_t from,
+                                      size_t to) {
+  std::vector<double> out;
+  for (size_t i = from; i < to; ++i) {
+    out.push_back(w[i].transfer / w[i].samples);
+  }
+  return out;
 }
 
 // The split with every rank given at least `minLocal`: solve for the rest.
@@ -55,17 +210,111 @@ BatchPlan solveWithMinimum(const std::vector<RankCost>& costs, int64_t global, i
 
 }  // namespace
 
+RankEstimator::RankEstimator(int window, double confidence, int newest)
+    : window_(window), confidence_(confidence), newest_(newest) {
+  HDDP_CHECK_AS(ConfigError, window >= 1 && newest >= 1 && confidence >= 0,
+                "RankEstimator: window ", window, ", newest ", newest, ", confidence ", confidence,
+                " must be positive");
+}
+
+void RankEstimator::record(const StepMeasurement& m) {
+  if (m.samples <= 0 || !(m.computeSeconds > 0) || !std::isfinite(m.computeSeconds)) {
+    return;  // no samples this step: nothing learnt about the speed
+  }
+  Sample s;
+  s.samples = static_cast<double>(m.samples);
+  s.compute = m.computeSeconds;
+  s.fixed = std::clamp(m.fixedSeconds, 0.0, 0.9 * m.computeSeconds);
+  s.transfer = std::max(0.0, m.transferSeconds);
+  s.bytes = static_cast<double>(std::max<int64_t>(0, m.bytes));
+  samples_.push_back(s);
+  while (static_cast<int>(samples_.size()) > window_) {
+    samples_.pop_front();
+  }
+}
+
+void RankEstimator::restore(std::deque<Sample> samples) {
+  samples_ = std::move(samples);
+  pastRatios_.clear();
+  while (static_cast<int>(samples_.size()) > window_) {
+    samples_.pop_front();
+  }
+}
+
+RankEstimator::Estimate RankEstimator::estimate() {
+  const size_t n = samples_.size();
+  // A level shift: do the newest steps take what the older ones predict, in compute
+  // and in transfer per sample?
+  // One more standard error than a plan change needs: a false shift only shrinks the
+  // window, but it should be rare.
+  const size_t m = std::min<size_t>(static_cast<size_t>(newest_), n / 2);
+  if (m >= 4 && confidence_ > 0) {
+    auto differ = [&](const Location& older, const Location& newer) {
+      const double difference = std::abs(newer.median - older.median);
+      return difference > (confidence_ + 1.0) * std::hypot(newer.error, older.error) &&
+             difference > 0.05 * std::max(std::abs(older.median), std::abs(newer.median));
+    };
+    const Fit older = fitCompute(samples_, 0, n - m);
+    const bool computeShifted = differ(locate(ratios(samples_, 0, n - m, older)),
+                                       locate(ratios(samples_, n - m, n, older)));
+    const bool transferShifted = differ(locate(transferPerSample(samples_, 0, n - m)),
+                                        locate(transferPerSample(samples_, n - m, n)));
+    if (computeShifted || transferShifted) {
+      // The older steps leave the estimate; their scatter around their own level stays
+      // in the noise estimate, which a short new window would understate.
+      for (double r : ratios(samples_, 0, n - m, older)) {
+        pastRatios_.push_back(r);
+      }
+      samples_.erase(samples_.begin(), samples_.end() - static_cast<std::ptrdiff_t>(m));
+      ++shifts_;
+    }
+  }
+  Estimate e;
+  const size_t k = samples_.size();
+  e.steps = static_cast<int>(k);
+  if (k == 0) {
+    return e;
+  }
+  const Fit fit = fitCompute(samples_, 0, k);
+  e.secondsPerSample = fit.perSample;
+  e.fixedSeconds = fit.fixed;
+  // The standard error of the level from the scatter of the ratios (median ~1, so it
+  // is relative), the dropped steps' scatter included, over the steps behind it.
+  while (pastRatios_.size() + k > static_cast<size_t>(window_)) {
+    pastRatios_.pop_front();
+  }
+  std::vector<double> scatter = ratios(samples_, 0, k, fit);
+  scatter.insert(scatter.end(), pastRatios_.begin(), pastRatios_.end());
+  // A spread measured on few steps is itself uncertain (Student's t): widen the error
+  // for short windows, about as t's 99.9% quantile exceeds the normal's.
+  const auto steps = static_cast<double>(k);
+  e.relativeError = trimmedSpread(scatter) / std::sqrt(steps) * (1.0 + 3.0 / steps);
+  e.transferSecondsPerSample = median(transferPerSample(samples_, 0, k));
+  std::vector<double> bytes;
+  for (const auto& s : samples_) {
+    bytes.push_back(s.bytes / s.samples);
+  }
+  e.bytesPerSample = median(bytes);
+  return e;
+}
+
 BatchPlanner::BatchPlanner(Communicator& communicator, PlannerOptions options,
                            std::vector<RankCost> initial)
-    : comm_(communicator), options_(options), costs_(std::move(initial)) {
+    : comm_(communicator),
+      options_(options),
+      costs_(std::move(initial)),
+      estimator_(std::max(options.window, 1), std::max(options.confidence, 0.0),
+                 std::max(1, std::min(options.rebalanceEvery, options.window / 2))) {
   HDDP_CHECK_AS(ConfigError,
                 options_.globalBatch >= comm_.size() * std::max<int64_t>(options_.minLocalBatch, 0),
                 "global batch ", options_.globalBatch, " is too small for ", comm_.size(),
                 " ranks");
   HDDP_CHECK_AS(ConfigError,
-                options_.rebalanceEvery >= 1 && options_.window >= 1 && options_.hysteresis >= 0,
+                options_.rebalanceEvery >= 1 && options_.window >= 1 && options_.hysteresis >= 0 &&
+                    options_.confidence >= 0,
                 "PlannerOptions: rebalanceEvery ", options_.rebalanceEvery, ", window ",
-                options_.window, ", hysteresis ", options_.hysteresis, " must be positive");
+                options_.window, ", hysteresis ", options_.hysteresis, ", confidence ",
+                options_.confidence, " must be positive");
   if (costs_.empty()) {
     plan_ = equalSplit(comm_.size(), options_.globalBatch);
     if (options_.minLocalBatch > 0) {
@@ -83,18 +332,17 @@ BatchPlanner::BatchPlanner(Communicator& communicator, PlannerOptions options,
 }
 
 void BatchPlanner::record(int64_t samples, double computeSeconds) {
-  if (samples <= 0 || !(computeSeconds > 0)) {
-    return;  // no samples this step: nothing learnt about the speed
-  }
-  secondsPerSample_.push_back(computeSeconds / static_cast<double>(samples));
-  while (static_cast<int>(secondsPerSample_.size()) > options_.window) {
-    secondsPerSample_.pop_front();
-  }
+  StepMeasurement m;
+  m.samples = samples;
+  m.computeSeconds = computeSeconds;
+  record(m);
 }
+
+void BatchPlanner::record(const StepMeasurement& measurement) { estimator_.record(measurement); }
 
 BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const BatchPlan& current,
                                const PlannerOptions& options,
-                               const std::vector<double>& relativeNoise) {
+                               const std::vector<double>& relativeErrors) {
   for (const auto& c : estimates) {
     if (!(c.secondsPerSample > 0)) {
       return current;  // some rank has not measured yet
@@ -109,17 +357,81 @@ BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const Bat
     return candidate;
   }
   const double now = predictedSeconds(estimates, current.local);
-  double threshold = options.hysteresis;
-  for (double noise : relativeNoise) {
-    threshold = std::max(threshold, options.noiseMultiplier * noise);
-  }
-  if (candidate.local != current.local &&
-      candidate.predictedStepSeconds < now * (1.0 - threshold)) {
-    return candidate;
-  }
   BatchPlan kept = current;
   kept.predictedStepSeconds = now;
-  return kept;
+  const double gain = now - candidate.predictedStepSeconds;
+  if (candidate.local == current.local || !(gain > options.hysteresis * now)) {
+    return kept;
+  }
+  if (options.confidence > 0 && relativeErrors.size() == estimates.size()) {
+    // The standard error of the gain: the slowest rank's predicted time under each plan
+    // carries its estimate's error; taken as independent even when one rank is the
+    // slowest under both (whether it really is the slowest is what the noise puts in
+    // doubt), which errs on the side of keeping the plan.
+    auto slowest = [&](const std::vector<int64_t>& local) {
+      size_t worst = 0;
+      for (size_t r = 1; r < estimates.size(); ++r) {
+        if (estimates[r].predict(local[r]) > estimates[worst].predict(local[worst])) {
+          worst = r;
+        }
+      }
+      return worst;
+    };
+    const size_t a = slowest(current.local);
+    const size_t k = slowest(candidate.local);
+    auto error = [&](size_t r, double samples) {
+      return relativeErrors[r] * estimates[r].perSampleSeconds() * samples;
+    };
+    const double sd = std::hypot(error(a, static_cast<double>(current.local[a])),
+                                 error(k, static_cast<double>(candidate.local[k])));
+    if (!(gain > options.confidence * sd)) {
+      return kept;
+    }
+  }
+  return candidate;
+}
+
+BatchPlanner::Decision BatchPlanner::decide(const std::vector<RankEstimator::Estimate>& estimates,
+                                            const std::vector<RankCost>& previous,
+                                            const BatchPlan& current, const PlannerOptions& options,
+                                            bool calibrating) {
+  Decision d;
+  d.costs.resize(estimates.size());
+  d.errors.resize(estimates.size());
+  bool allMeasured = true;
+  for (size_t r = 0; r < estimates.size(); ++r) {
+    const RankEstimator::Estimate& e = estimates[r];
+    // What is not measured (the link, whether copies overlap, the memory cap) stays as
+    // the seed or the last update had it.
+    RankCost c = r < previous.size() ? previous[r] : RankCost{};
+    c.secondsPerSample = e.secondsPerSample;
+    c.fixedSeconds = e.fixedSeconds;
+    if (e.transferSecondsPerSample > 0) {
+      // Measured transfer: the link's effective bandwidth for this rank's input.
+      if (e.bytesPerSample > 0) {
+        c.bytesPerSample = e.bytesPerSample;
+      } else if (!(c.bytesPerSample > 0)) {
+        c.bytesPerSample = 1.0;
+      }
+      c.linkBytesPerSecond = c.bytesPerSample / e.transferSecondsPerSample;
+    }
+    d.costs[r] = c;
+    d.errors[r] = e.relativeError;
+    allMeasured = allMeasured && c.secondsPerSample > 0;
+  }
+  if (calibrating && allMeasured) {
+    // The first plan from measurements (the calibration): the plan it replaces was a
+    // guess (equal split or topology), not a measured choice, so neither hysteresis nor
+    // the noise of a short, cold window holds it back.
+    PlannerOptions calibration = options;
+    calibration.hysteresis = 0.0;
+    calibration.confidence = 0.0;
+    d.plan = choose(d.costs, current, calibration);
+    d.calibrated = true;
+  } else {
+    d.plan = choose(d.costs, current, options, d.errors);
+  }
+  return d;
 }
 
 int64_t BatchPlanner::firstUpdate() const {
@@ -133,58 +445,40 @@ bool BatchPlanner::endStep() {
   if (step_ < first || (step_ - first) % options_.rebalanceEvery != 0) {
     return false;
   }
-  // This rank's estimate (median seconds per sample) and its relative noise (median
-  // absolute deviation over the median), exchanged as two doubles.
-  double mine[2] = {0.0, 0.0};
-  if (!secondsPerSample_.empty()) {
-    std::vector<double> window(secondsPerSample_.begin(), secondsPerSample_.end());
-    mine[0] = median(window);
-    std::vector<double> deviation;
-    for (double v : window) {
-      deviation.push_back(std::abs(v - mine[0]));
-    }
-    mine[1] = mine[0] > 0 ? median(deviation) / mine[0] : 0.0;
-  }
+  // This rank's estimate, exchanged as doubles: compute seconds per sample, its
+  // relative standard error, fixed seconds, transfer seconds per sample, bytes per sample.
+  const RankEstimator::Estimate own = estimator_.estimate();
+  constexpr size_t kFields = 5;
+  const double mine[kFields] = {own.secondsPerSample, own.relativeError, own.fixedSeconds,
+                                own.transferSecondsPerSample, own.bytesPerSample};
   std::vector<uint8_t> bytes(sizeof(mine));
   std::memcpy(bytes.data(), mine, sizeof(mine));
   const auto exchangeStart = std::chrono::steady_clock::now();
   const auto all = comm_.allgatherBytes(bytes);
   lastExchangeSeconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - exchangeStart).count();
-  std::vector<RankCost> estimates(all.size());
-  std::vector<double> noise(all.size());
+  std::vector<RankEstimator::Estimate> estimates(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
     HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(mine), "bad estimate from rank ", r);
-    double theirs[2];
+    double theirs[kFields];
     std::memcpy(theirs, all[r].data(), sizeof(theirs));
-    estimates[r].secondsPerSample = theirs[0];
-    noise[r] = theirs[1];
-    if (r < costs_.size()) {
-      estimates[r].maxSamples = costs_[r].maxSamples;  // memory caps are not measured here
-    }
+    RankEstimator::Estimate& e = estimates[r];
+    e.secondsPerSample = theirs[0];
+    e.relativeError = theirs[1];
+    e.fixedSeconds = theirs[2];
+    e.transferSecondsPerSample = theirs[3];
+    e.bytesPerSample = theirs[4];
   }
-  costs_ = estimates;
-  bool allMeasured = true;
-  for (const auto& c : estimates) {
-    allMeasured = allMeasured && c.secondsPerSample > 0;
-  }
-  BatchPlan next;
-  if (!measured_ && allMeasured) {
-    // The first plan from measurements (the calibration): the plan it replaces was a
-    // guess (equal split or topology), not a measured choice, so neither hysteresis nor
-    // the noise of a short, cold window holds it back.
-    PlannerOptions calibration = options_;
-    calibration.hysteresis = 0.0;
-    calibration.noiseMultiplier = 0.0;
-    next = choose(estimates, plan_, calibration);
-    measured_ = true;
-  } else {
-    next = choose(estimates, plan_, options_, noise);
-  }
+  const Decision d = decide(estimates, costs_, plan_, options_, !measured_);
+  measured_ = measured_ || d.calibrated;
+  costs_ = d.costs;
+  const BatchPlan& next = d.plan;
+  const std::vector<double>& errors = d.errors;
   const bool changed = next.local != plan_.local;
   if (changed) {
     HDDP_LOG_INFO("balance", "step ", step_, ": plan ", plan_.describe(), " -> ", next.describe(),
-                  " (predicted step ", next.predictedStepSeconds, " s)");
+                  " (predicted step ", next.predictedStepSeconds, " s; ",
+                  describeCosts(costs_, errors), ")");
   }
   plan_ = next;
   return changed;
@@ -251,8 +545,10 @@ std::vector<int64_t> BatchPlanner::memoryCaps() const {
 }
 
 BatchPlanner::State BatchPlanner::state() const {
-  return State{plan_, step_,
-               std::vector<double>(secondsPerSample_.begin(), secondsPerSample_.end()), costs_};
+  return State{
+      plan_, step_,
+      std::vector<RankEstimator::Sample>(estimator_.samples().begin(), estimator_.samples().end()),
+      costs_};
 }
 
 void BatchPlanner::restore(const State& state) {
@@ -264,10 +560,7 @@ void BatchPlanner::restore(const State& state) {
                 " cannot resume with global batch ", options_.globalBatch);
   plan_ = state.plan;
   step_ = state.step;
-  secondsPerSample_.assign(state.window.begin(), state.window.end());
-  while (static_cast<int>(secondsPerSample_.size()) > options_.window) {
-    secondsPerSample_.pop_front();
-  }
+  estimator_.restore({state.window.begin(), state.window.end()});
   costs_ = state.costs;
   measured_ = step_ >= firstUpdate() && static_cast<int>(costs_.size()) == comm_.size();
   for (const auto& c : costs_) {
@@ -295,17 +588,24 @@ void BatchPlanner::save(torch::serialize::OutputArchive& shared,
                         torch::serialize::OutputArchive& own) const {
   shared.write("plan", at::tensor(plan_.local, at::kLong));
   shared.write("step", at::tensor(std::vector<int64_t>{step_}, at::kLong));
+  // Per rank: compute s/sample, fixed s, bytes/sample, link B/s, copies overlapped.
   std::vector<double> costs;
   std::vector<int64_t> caps;  // -1 = none
   for (const auto& c : costs_) {
-    costs.push_back(c.secondsPerSample);
+    costs.insert(costs.end(), {c.secondsPerSample, c.fixedSeconds, c.bytesPerSample,
+                               c.linkBytesPerSecond, c.transferOverlapped ? 1.0 : 0.0});
   }
   for (int64_t cap : memoryCaps()) {
     caps.push_back(cap == std::numeric_limits<int64_t>::max() ? -1 : cap);
   }
-  shared.write("costs", doubles(costs));
+  shared.write("costs", doubles(costs).reshape({static_cast<int64_t>(costs_.size()), 5}));
   shared.write("caps", at::tensor(caps, at::kLong));
-  own.write("window", doubles({secondsPerSample_.begin(), secondsPerSample_.end()}));
+  std::vector<double> window;  // per step: samples, compute s, fixed s, transfer s, bytes
+  for (const auto& w : estimator_.samples()) {
+    window.insert(window.end(), {w.samples, w.compute, w.fixed, w.transfer, w.bytes});
+  }
+  own.write("window",
+            doubles(window).reshape({static_cast<int64_t>(estimator_.samples().size()), 5}));
 }
 
 void BatchPlanner::load(torch::serialize::InputArchive& shared,
@@ -318,12 +618,26 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
   HDDP_CHECK_AS(StateError, step.numel() == 1, "the planner's state has a malformed step");
   state.step = step.item<int64_t>();
   const at::Tensor window = readEntry(own, "window");
-  state.window.assign(window.data_ptr<double>(), window.data_ptr<double>() + window.numel());
+  HDDP_CHECK_AS(StateError, window.dim() == 2 && window.size(1) == 5,
+                "the planner's measurement window has shape ", window.sizes(),
+                ", not [steps, 5] (written by an older hddp?)");
+  for (int64_t i = 0; i < window.size(0); ++i) {
+    const double* w = window.data_ptr<double>() + 5 * i;
+    state.window.push_back(RankEstimator::Sample{w[0], w[1], w[2], w[3], w[4]});
+  }
   const at::Tensor costs = readEntry(shared, "costs");
-  for (int64_t i = 0; i < costs.numel(); ++i) {
-    RankCost c;
-    c.secondsPerSample = costs.data_ptr<double>()[i];
-    state.costs.push_back(c);
+  HDDP_CHECK_AS(StateError, costs.dim() == 2 && costs.size(1) == 5,
+                "the planner's costs have shape ", costs.sizes(),
+                ", not [ranks, 5] (written by an older hddp?)");
+  for (int64_t i = 0; i < costs.size(0); ++i) {
+    const double* c = costs.data_ptr<double>() + 5 * i;
+    RankCost cost;
+    cost.secondsPerSample = c[0];
+    cost.fixedSeconds = c[1];
+    cost.bytesPerSample = c[2];
+    cost.linkBytesPerSecond = c[3];
+    cost.transferOverlapped = c[4] > 0.5;
+    state.costs.push_back(cost);
   }
   const at::Tensor caps = readEntry(shared, "caps");
   if (caps.numel() == comm_.size()) {

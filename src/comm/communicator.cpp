@@ -1,6 +1,8 @@
 #include "hddp/comm/communicator.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -241,6 +243,14 @@ class C10dCommunicator final : public Communicator {
 
   c10::Device device() const override {
     return kind_ == Backend::Nccl ? device_ : c10::Device(c10::kCPU);
+  }
+
+  void synchronize() override {
+    if (kind_ == Backend::Nccl) {
+      c10::Event done(device_.type());
+      done.record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+      done.synchronize();
+    }
   }
 
  private:

@@ -18,6 +18,7 @@
 #include "ddp/ready_hook.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/core/step_timer.h"
 
 namespace hddp {
 namespace {
@@ -379,6 +380,9 @@ class DistributedDataParallel::Impl {
     }
     stats_.unusedParameters = static_cast<int>(unused.size());
     const auto waitStart = Clock::now();
+    if (timer_) {
+      timer_->beginWait();
+    }
     std::exception_ptr failure;
     for (auto& b : buckets_) {
       try {
@@ -388,6 +392,9 @@ class DistributedDataParallel::Impl {
           failure = std::current_exception();
         }
       }
+    }
+    if (timer_) {
+      timer_->endWait();
     }
     const auto waitEnd = Clock::now();
     stepActive_ = false;
@@ -605,6 +612,7 @@ class DistributedDataParallel::Impl {
   bool recordOrder_ = true;
   std::vector<int> readyOrder_;
   DdpStepStats stats_;
+  StepTimer* timer_ = nullptr;
 };
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
@@ -628,6 +636,7 @@ void DistributedDataParallel::finalize() { impl_->finalize(); }
 bool DistributedDataParallel::abandonStep() { return impl_->abandonStep(); }
 bool DistributedDataParallel::lastStepAbandoned() { return impl_->lastStepAbandoned(); }
 void DistributedDataParallel::syncBuffers() { impl_->syncBuffers(); }
+void DistributedDataParallel::setStepTimer(StepTimer* timer) { impl_->timer_ = timer; }
 torch::nn::Module& DistributedDataParallel::module() { return *impl_->module_; }
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::modulePtr() const {
   return impl_->module_;

@@ -1,8 +1,6 @@
 // One training step, in phases: forward and backward (with the out-of-memory catch),
 // optimizer step, measurement and re-planning, report.
 #include <c10/core/CachingDeviceAllocator.h>
-#include <c10/core/Event.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 
 #include <optional>
@@ -36,14 +34,25 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   }
   StepClock clock;
   clock.start = Clock::now();
+  timer_->start(StepLabel{step_, batch.share.localBatch, batch.bytes});
   const std::string outOfMemory = forwardAndBackward(batch, clock);
   // Every rank learns whether some rank abandoned the step (read with the last bucket).
-  if (options_.recoverFromOutOfMemory && !hasSyncBatchNorm_ && ddp_->lastStepAbandoned()) {
-    repeatStep(batch, outOfMemory, clock.start);
+  // The results must be readable on the host first: on a CPU device the optimizer reads
+  // them there, and the status is a host read. On NCCL this is where the host waits for
+  // the slower ranks' gradients: a communication wait, left out of the compute time.
+  const bool readStatus = options_.recoverFromOutOfMemory && !hasSyncBatchNorm_;
+  timer_->beginWait();
+  if (readStatus || device_.is_cpu()) {
+    comm_.synchronize();
+  }
+  const bool abandoned = readStatus && ddp_->lastStepAbandoned();
+  timer_->endWait();
+  if (abandoned) {
+    repeatStep(batch, outOfMemory, clock.start);  // the timer's open step is dropped
     return false;
   }
   const bool stepped = optimizerStep(batch, clock);
-  const double compute = measureAndReplan(batch, clock);
+  const double compute = measureAndReplan(clock);
   report(batch, info, clock, compute, stepped);
   return true;
 }
@@ -122,40 +131,48 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
   }
   const bool stepped = scaler_->step(optimizer_);
   scaler_->update();
-  if (device_.type() != c10::kCPU) {
-    // Wait for the device, so the measured compute time is the real one.
-    c10::Event done(device_.type());
-    done.record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
-    done.synchronize();
-  }
+  timer_->stop();  // on a device: an event after the optimizer's kernels, read later
   clock.end = Clock::now();
   timeline_.add("optimizer", clock.backwardEnd, clock.end, step_);
   return stepped;
 }
 
-// This rank's compute seconds (time blocked in communication excluded; an emulated
+// This rank's compute seconds (time waiting for communication left out; an emulated
 // slower card or link adds its extra time here, the one place emulation stretches a
-// step), given to the planner, which may re-split the next steps. Returns them.
-double Trainer::Impl::measureAndReplan(const Batch& batch, StepClock& clock) {
-  const int64_t local = batch.share.localBatch;
+// step), given to the planner, which may re-split the next steps. The step timer hands
+// over the steps it has finished measuring: this one on the host clock, usually the
+// previous one with device events. Returns the newest compute seconds (0: none yet).
+double Trainer::Impl::measureAndReplan(StepClock& clock) {
   const auto& stats = ddp_->lastStepStats();
   for (const auto& bucket : stats.bucketTimes) {
     timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,
                   bucket.bytes);
   }
-  const double raw = std::max(0.0, seconds(clock.start, clock.end) - stats.waitSeconds);
-  double compute = raw;
-  if (emulator_->active() && local > 0) {
-    // Sleeps before the next step's gradients are sent, so the other ranks wait for
-    // this one as they would for a slower card.
-    const auto e0 = Clock::now();
-    compute = emulator_->apply(raw, batch.bytes);
-    clock.emulatedSeconds = compute - raw;
-    timeline_.add("emulated delay", e0, Clock::now(), step_);
+  double compute = 0.0;
+  for (const StepTiming& timing : timer_->collect()) {
+    StepMeasurement m;
+    m.samples = timing.label.samples;
+    m.bytes = timing.label.bytes;
+    m.computeSeconds = timing.computeSeconds();
+    m.fixedSeconds = timing.tailSeconds;
+    if (emulator_->active() && m.samples > 0) {
+      // Sleeps before the next step's gradients are sent, so the other ranks wait for
+      // this one as they would for a slower card behind a slower link.
+      const auto e0 = Clock::now();
+      const double total = emulator_->apply(m.computeSeconds, m.bytes);
+      clock.emulatedSeconds += total - m.computeSeconds;
+      m.transferSeconds = emulator_->transferSeconds(m.bytes);
+      m.computeSeconds = total - m.transferSeconds;
+      m.fixedSeconds = emulator_->stretch(m.fixedSeconds);
+      timeline_.add("emulated delay", e0, Clock::now(), timing.label.step);
+    }
+    compute = m.computeSeconds + m.transferSeconds;
+    if (planner_) {
+      planner_->record(m);
+    }
   }
   newPlan_ = false;
   if (planner_) {
-    planner_->record(local, compute);
     const auto p0 = Clock::now();
     newPlan_ = planner_->endStep();
     if (planner_->lastExchangeSeconds() > 0) {
@@ -173,6 +190,9 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   const int64_t local = batch.share.localBatch;
   train::StepReport r;
   r.loss = local > 0 ? stepLoss_.detach().to(at::kDouble).item<double>() : 0.0;
+  // After the loss read (on a device: the step's end on the host) and the emulator's
+  // sleep.
+  r.stepSeconds = seconds(clock.start, Clock::now()) + batch.waitSeconds;
   epochLossSum_ += r.loss * static_cast<double>(local);
   epochSamples_ += local;
   ++step_;
@@ -186,7 +206,6 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.dataWaitSeconds = batch.waitSeconds;
   r.computeSeconds = compute;
   r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
-  r.stepSeconds = seconds(clock.start, clock.end) + clock.emulatedSeconds + batch.waitSeconds;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
   r.stepped = stepped;
   r.plan = batch.share.plan.local;

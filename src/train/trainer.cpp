@@ -1,10 +1,16 @@
 #include "hddp/train/trainer.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstring>
+#include <limits>
+#include <optional>
 #include <utility>
 
+#include "hddp/balance/cost_model.h"
+#include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/ddp/sync_batch_norm.h"
@@ -89,9 +95,15 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     options_.planner.minLocalBatch = 1;
     HDDP_LOG_INFO("train", "SyncBatchNorm: every rank gets at least one sample per step");
   }
+  const EmulationOptions emulation =
+      options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
   if (options_.balance) {
+    std::vector<RankCost> seed;
+    if (options_.seedPlan) {
+      seed = seedCosts(*train, emulation);
+    }
     planner_ = std::make_unique<BatchPlanner>(
-        comm, PlannerOptions(options_.globalBatch, options_.planner));
+        comm, PlannerOptions(options_.globalBatch, options_.planner), std::move(seed));
   }
   applyGivenMemoryCaps();
   GradScalerOptions so = options_.scaler;
@@ -103,20 +115,103 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   lo.sampler.seed = options_.seed;
   lo.sampler.minLocalBatch = std::max(lo.sampler.minLocalBatch, options_.planner.minLocalBatch);
   loader_ = std::make_unique<PrefetchLoader>(std::move(train), rank, lo);
-  emulator_ = std::make_unique<Emulator>(
-      options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size()), rank);
+  emulator_ = std::make_unique<Emulator>(emulation, rank);
+  timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
+  HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
+  ddp_->setStepTimer(timer_.get());
   HDDP_LOG_INFO("train", "rank ", rank, "/", comm.size(), " on ", device_.str(), ": ",
                 loader_->dataset().describe(), "; global batch ", options_.globalBatch, ", ",
                 options_.epochs, " epochs, amp ", ampModeName(options_.amp), ", ",
                 options_.balance ? "planner" : "equal split", ", ", lo.workers,
-                " loader workers, prefetch depth ", lo.depth);
+                " loader workers, prefetch depth ", lo.depth, "; step compute timed by ",
+                timer_->describe());
 }
 
 Trainer::Impl::~Impl() {
+  ddp_->setStepTimer(nullptr);
   try {
     loader_->stop();
   } catch (...) {
   }
+}
+
+// Compute seconds per sample of the model on this rank, from forward passes of (up to)
+// 8 samples in eval mode without gradients (nothing of the model's state changes): one
+// warm-up, then the fastest of three (a pass slowed by another process is not the
+// device's speed); backward is taken as twice a forward.
+double Trainer::Impl::timeForward(const Dataset& data) {
+  const int64_t n = std::min<int64_t>(8, data.size());
+  std::vector<Example> examples;
+  for (int64_t i = 0; i < n; ++i) {
+    SampleRng rng(sampleSeed(options_.seed, 0, i));
+    examples.push_back(data.get(i, rng));
+  }
+  const at::Tensor input = collate(examples).input.to(device_);
+  const bool training = model_->is_training();
+  model_->eval();
+  double seconds = 0.0;
+  {
+    at::NoGradGuard noGrad;
+    std::optional<AutocastGuard> autocast;
+    if (options_.amp != AmpMode::Off) {
+      autocast.emplace(device_.type(), options_.amp == AmpMode::Bf16 ? at::kBFloat16 : at::kHalf);
+    }
+    c10::impl::VirtualGuardImpl guard(device_.type());
+    seconds = std::numeric_limits<double>::max();
+    for (int pass = 0; pass < 4; ++pass) {
+      if (!device_.is_cpu()) {
+        guard.synchronizeDevice(device_.index());
+      }
+      const auto t0 = Clock::now();
+      forward_(input);
+      if (!device_.is_cpu()) {
+        guard.synchronizeDevice(device_.index());
+      }
+      if (pass > 0) {
+        seconds = std::min(seconds, std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+    }
+  }
+  model_->train(training);
+  return 3.0 * seconds / static_cast<double>(n);
+}
+
+// Every rank's cost before the first step (TrainerOptions::seedPlan): this rank's
+// profile (link, input bytes, a timed forward, emulation), exchanged.
+std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
+                                               const EmulationOptions& emulation) {
+  SampleRng rng(sampleSeed(options_.seed, 0, 0));
+  const double bytesPerSample = static_cast<double>(data.get(0, rng).input.nbytes());
+  RankProfile profile = profileOf(device_, bytesPerSample, /*measureLink=*/!device_.is_cpu());
+  profile.transferOverlapped = !device_.is_cpu() && options_.loader.pinMemory;
+  profile.emulatedLinkBytesPerSecond = emulation.linkBytesPerSecond;
+  profile.emulatedSlowdown = emulation.slowdown;
+  profile.computeSecondsPerSample = timeForward(data);
+  const RankCost mine = costOf(profile);
+  HDDP_LOG_INFO("balance", "rank ", comm_.rank(), " seed: ", mine.secondsPerSample * 1e3,
+                " ms/sample (timed forward x3",
+                emulation.slowdown != 1.0 ? " x emulated slowdown" : "", "), ", bytesPerSample,
+                " B/sample over ", mine.linkBytesPerSecond / 1e9, " GB/s (", linkSource(profile),
+                profile.external ? ", eGPU" : "", ")",
+                mine.transferOverlapped ? ", copies overlap compute" : "");
+  const double fields[5] = {mine.secondsPerSample, mine.fixedSeconds, mine.bytesPerSample,
+                            mine.linkBytesPerSecond, mine.transferOverlapped ? 1.0 : 0.0};
+  std::vector<uint8_t> bytes(sizeof(fields));
+  std::memcpy(bytes.data(), fields, sizeof(fields));
+  std::vector<RankCost> costs;
+  for (const auto& theirs : comm_.allgatherBytes(bytes)) {
+    HDDP_INTERNAL_ASSERT(theirs.size() == sizeof(fields), "bad seed cost");
+    double f[5];
+    std::memcpy(f, theirs.data(), sizeof(f));
+    RankCost c;
+    c.secondsPerSample = f[0];
+    c.fixedSeconds = f[1];
+    c.bytesPerSample = f[2];
+    c.linkBytesPerSecond = f[3];
+    c.transferOverlapped = f[4] > 0.5;
+    costs.push_back(c);
+  }
+  return costs;
 }
 
 void Trainer::Impl::applyGivenMemoryCaps() {

@@ -52,13 +52,17 @@ class Trainer::Impl {
   /// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
   bool optimizerStep(const Batch& batch, StepClock& clock);
   /// This rank's compute seconds, given to the planner, which may re-split.
-  double measureAndReplan(const Batch& batch, StepClock& clock);
+  double measureAndReplan(StepClock& clock);
   void report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,
               bool stepped);
 
   // ---- the loop (trainer.cpp) ----------------------------------------------------------
 
   void applyGivenMemoryCaps();
+  /// Compute seconds per sample from a timed forward pass (for the seed).
+  double timeForward(const Dataset& data);
+  /// Every rank's cost before the first step (TrainerOptions::seedPlan).
+  std::vector<RankCost> seedCosts(const Dataset& data, const EmulationOptions& emulation);
   /// The user's evaluation, timed; an empty result keeps the last one.
   std::map<std::string, double> evaluate();
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
@@ -78,6 +82,7 @@ class Trainer::Impl {
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<PrefetchLoader> loader_;
   std::unique_ptr<Emulator> emulator_;
+  std::unique_ptr<StepTimer> timer_;
   bool hasSyncBatchNorm_ = false;
   ScheduleFn schedule_;
   EvalFn evaluation_;

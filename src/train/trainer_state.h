@@ -39,7 +39,7 @@ namespace train {
 /// The scalar part of a state file ("meta").
 struct StateMeta {
   /// Format version; a file of another version is refused with a StateError.
-  static constexpr int64_t kVersion = 2;
+  static constexpr int64_t kVersion = 3;
   /// Optimizer steps done.
   int64_t step = 0;
   /// The epoch in progress (or the next to start).

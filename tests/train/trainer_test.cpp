@@ -15,6 +15,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
@@ -489,8 +490,13 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
     slow.slowdown = rank == 1 ? 4.0 : 1.0;
     o.emulation = slow;
     auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
-    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
-                          o);
+    // Compute that grows with the batch, not with the shared CPU's load: 0.3 ms per
+    // sample (a sleep) besides the tiny model.
+    auto forward = [&model](const at::Tensor& x) {
+      std::this_thread::sleep_for(std::chrono::microseconds(300 * x.size(0)));
+      return model->forward(x);
+    };
+    hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
     trainer.fit();
     plans[rank] = trainer.planner()->plan().local;
   });
@@ -534,6 +540,7 @@ TEST(Trainer, OutOfMemoryTeachesTheCapAndRepeatsTheStepWithoutLosingSamples) {
     o.progress = hddp::ProgressMode::Off;
     o.metricsPath = dir + "/metrics.jsonl";
     o.saveDir = dir + "/state";
+    o.seedPlan = false;  // start from the equal split, above rank 1's memory
     hddp::EmulationOptions e;
     e.memoryCapSamples = rank == 1 ? 20 : 0;
     o.emulation = e;

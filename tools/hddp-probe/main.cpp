@@ -87,6 +87,7 @@ struct ProbeOptions {
   std::string sysfs = "/sys";
   bool asJson = false;
   bool skipBandwidth = false;
+  double paramBytes = 0;
 };
 
 json versions(bool hasCuda) {
@@ -168,6 +169,8 @@ struct ProbePlan {
   hddp::BatchPlan plan;
   hddp::BatchPlan equal;
   json ranks;
+  double slowestLinkBytesPerSecond = 0.0;
+  double allreduceSeconds = 0.0;  // ring allreduce of --param-bytes over the slowest link
 };
 
 ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& devs,
@@ -191,37 +194,45 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
   std::map<std::string, double> calibrated;
   for (size_t r = 0; r < rankDevices.size(); ++r) {
     const auto& dev = rankDevices[r];
-    hddp::RankCost c;
     const auto emulation =
         hddp::emulationFromEnv(static_cast<int>(r), static_cast<int>(rankDevices.size()));
     if (!calibrated.count(dev.str())) {
       calibrated[dev.str()] = calibrate(dev, 64);
     }
-    c.secondsPerSample = calibrated[dev.str()] * emulation.slowdown;
-    for (const auto& j : devs) {
-      if (j["device"] == dev.str() && j.contains("measured_link_Bps") && dev.is_cuda()) {
-        c.linkBytesPerSecond = j["measured_link_Bps"].get<double>();
-        c.bytesPerSample = sampleBytes;
+    // The same cost function the Trainer seeds its planner with.
+    hddp::RankProfile profile;
+    profile.device = dev;
+    profile.bytesPerSample = sampleBytes;
+    profile.computeSecondsPerSample = calibrated[dev.str()];
+    profile.transferOverlapped = dev.is_cuda();  // the loader prefetches on a side stream
+    profile.emulatedLinkBytesPerSecond = emulation.linkBytesPerSecond;
+    profile.emulatedSlowdown = emulation.slowdown;
+    for (const auto& d : devices) {
+      if (d.device == dev) {
+        profile.link = d.link;
+        profile.external = d.external;
+        if (sampleMiB > 0) {
+          profile.maxSamples = static_cast<int64_t>(0.8 * d.memoryBytes / (sampleMiB * (1 << 20)));
+        }
       }
     }
-    if (emulation.linkBytesPerSecond > 0) {
-      c.linkBytesPerSecond = emulation.linkBytesPerSecond;
-      c.bytesPerSample = sampleBytes;
-    }
-    if (sampleMiB > 0) {
-      for (const auto& d : devices) {
-        if (d.device == dev)
-          c.maxSamples = static_cast<int64_t>(0.8 * d.memoryBytes / (sampleMiB * (1 << 20)));
+    for (const auto& j : devs) {
+      if (j["device"] == dev.str() && j.contains("measured_link_Bps") && dev.is_cuda()) {
+        profile.measuredBytesPerSecond = j["measured_link_Bps"].get<double>();
       }
     }
     if (emulation.memoryCapSamples > 0) {
-      c.maxSamples = std::min(c.maxSamples, emulation.memoryCapSamples);
+      profile.maxSamples = std::min(profile.maxSamples, emulation.memoryCapSamples);
     }
+    const hddp::RankCost c = hddp::costOf(profile);
     costs.push_back(c);
     ranks.push_back({{"rank", r},
                      {"device", dev.str()},
                      {"compute_s_per_sample", c.secondsPerSample},
+                     {"transfer_s_per_sample", c.transferSecondsPerSample()},
+                     {"transfer_overlapped", c.transferOverlapped},
                      {"link_GBps", c.linkBytesPerSecond / 1e9},
+                     {"link_source", hddp::linkSource(profile)},
                      {"emulated_slowdown", emulation.slowdown}});
   }
   result.plan = hddp::solveSplit(costs, globalBatch);
@@ -235,6 +246,16 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
                                  : json(costs[r].maxSamples);
   }
   result.ranks = ranks;
+  // The allreduce over the slowest link: a term no split changes.
+  double slowest = 0.0;
+  for (const auto& c : costs) {
+    if (c.linkBytesPerSecond > 0) {
+      slowest = slowest > 0 ? std::min(slowest, c.linkBytesPerSecond) : c.linkBytesPerSecond;
+    }
+  }
+  result.slowestLinkBytesPerSecond = slowest;
+  result.allreduceSeconds =
+      hddp::ringAllreduceSeconds(o.paramBytes, static_cast<int>(costs.size()), slowest);
   return result;
 }
 
@@ -298,6 +319,16 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
   }
   std::printf("  predicted step: %.4f s with this split, %.4f s with an equal split\n",
               plan.predictedStepSeconds, hddp::predictedSeconds(costs, equal.local));
+  if (o.paramBytes > 0) {
+    if (p.allreduceSeconds > 0) {
+      std::printf(
+          "  allreduce of %.1f MB over the slowest link (%.2f GB/s, ring): %.4f s per step, "
+          "which no split changes (part of it hides behind backward)\n",
+          o.paramBytes / 1e6, p.slowestLinkBytesPerSecond / 1e9, p.allreduceSeconds);
+    } else {
+      std::printf("  allreduce: no link term (one rank, or ranks without a host link)\n");
+    }
+  }
   std::printf("\nEnvironment\n%s", hddp::env::dump().c_str());
   std::printf("\nAdvice\n");
   if (advice.empty()) std::printf("  nothing to report\n");
@@ -316,6 +347,9 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--sample-mib", o.sampleMiB,
                  "Device memory per sample (MiB) for the memory cap; 0 = no cap");
+  app.add_option("--param-bytes", o.paramBytes,
+                 "Gradient bytes per step (the model's parameters), for the allreduce term")
+      ->capture_default_str();
   app.add_option("--cpu-ranks", o.cpuRanks, "Without CUDA: CPU ranks to plan for")
       ->capture_default_str();
   app.add_option("--sysfs", o.sysfs, "sysfs root (for fixtures)")->capture_default_str();
@@ -342,7 +376,9 @@ int run(int argc, char** argv) {
   out["plan"] = {{"global_batch", o.globalBatch},
                  {"ranks", p.ranks},
                  {"predicted_step_s", p.plan.predictedStepSeconds},
-                 {"equal_split_predicted_step_s", hddp::predictedSeconds(p.costs, p.equal.local)}};
+                 {"equal_split_predicted_step_s", hddp::predictedSeconds(p.costs, p.equal.local)},
+                 {"slowest_link_GBps", p.slowestLinkBytesPerSecond / 1e9},
+                 {"allreduce_s", p.allreduceSeconds}};
   json env = json::array();
   for (const auto& s : hddp::env::describe()) {
     env.push_back({{"name", s.name}, {"value", s.value}, {"set_by", s.setBy}});

@@ -1,13 +1,15 @@
 // Cost model and the exact integer split of a global batch over unlike ranks.
 //
 // A rank's predicted step time with b samples is
-//   fixedSeconds + b * (secondsPerSample + bytesPerSample / linkBytesPerSecond)
-// (compute, plus input bytes moved over its host link and not hidden by prefetch), and
-// it can hold at most maxSamples (memory). solveSplit() finds integer local batches
-// summing to the global batch, within the caps, that minimise the slowest rank's
-// predicted time: exactly (tests compare with brute force), in microseconds for tens
-// of ranks. Every rank computing it from the same inputs gets the same plan (ties go
-// to the lower rank).
+//   fixedSeconds + b * (c + t)          input copied, then computed on
+//   fixedSeconds + b * max(c, t)        input copied on a side stream while the device
+//                                       computes (prefetch): the larger of the two
+// with c = secondsPerSample (compute) and t = bytesPerSample / linkBytesPerSecond (the
+// input over the rank's host link); a rank holds at most maxSamples (memory).
+// solveSplit() finds integer local batches summing to the global batch, within the
+// caps, that minimise the slowest rank's predicted time: exactly (tests compare with
+// brute force), in microseconds for tens of ranks. Every rank computing it from the
+// same inputs gets the same plan (ties go to the lower rank).
 #pragma once
 
 #include <cstdint>
@@ -23,10 +25,18 @@ struct RankCost {
   double bytesPerSample = 0.0;
   /// 0 = the link does not limit this rank.
   double linkBytesPerSecond = 0.0;
+  /// Input copies overlap compute (a prefetching loader on a side stream).
+  bool transferOverlapped = false;
   int64_t maxSamples = std::numeric_limits<int64_t>::max();
 
+  /// Seconds per sample of input over the link (0 without a link term).
+  double transferSecondsPerSample() const {
+    return linkBytesPerSecond > 0 ? bytesPerSample / linkBytesPerSecond : 0.0;
+  }
   double perSampleSeconds() const {
-    return secondsPerSample + (linkBytesPerSecond > 0 ? bytesPerSample / linkBytesPerSecond : 0.0);
+    const double t = transferSecondsPerSample();
+    return transferOverlapped ? (secondsPerSample > t ? secondsPerSample : t)
+                              : secondsPerSample + t;
   }
   double predict(int64_t samples) const {
     return fixedSeconds + static_cast<double>(samples) * perSampleSeconds();

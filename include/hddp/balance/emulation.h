@@ -58,6 +58,14 @@ class Emulator {
   /// After a step that computed for `computeSeconds` and moved `bytesMoved` input
   /// bytes: sleeps the emulated extra time and returns the emulated compute seconds.
   double apply(double computeSeconds, int64_t bytesMoved);
+  /// `seconds` of compute as the emulated card takes them (no sleep).
+  double stretch(double seconds) const { return seconds * options_.slowdown; }
+  /// Seconds `bytes` of input take over the emulated link (0 without one).
+  double transferSeconds(int64_t bytes) const {
+    return options_.linkBytesPerSecond > 0
+               ? static_cast<double>(bytes) / options_.linkBytesPerSecond
+               : 0.0;
+  }
   /// Throws c10::OutOfMemoryError when `samples` exceed the emulated memory cap.
   void checkMemory(int64_t samples) const;
 

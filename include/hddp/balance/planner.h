@@ -1,16 +1,20 @@
 // The online batch planner: measured speed in, split of the global batch out.
 //
-// Each rank records the compute time of its steps (excluding time blocked in
-// communication). Every `rebalanceEvery` steps the ranks exchange their estimates (one
-// small allgather) and every rank solves the same split from the same numbers, so all
-// derive the identical plan without a further round trip. The estimate of a rank is the
-// median seconds per sample over its last `window` steps (robust to outliers); the
-// solver equalises predicted times, and since it re-measures at the sizes actually
-// used, it converges on equal measured times even when cost per sample depends on the
-// batch size. Hysteresis: once a plan comes from measurements, a new plan is adopted
-// only when it improves the predicted step time by more than `hysteresis` (relative)
-// and by more than the measured noise, so the split does not oscillate on noise; a rank whose speed
-// changes (a throttling enclosure) moves the split within about window + rebalanceEvery steps.
+// Each rank records, per step, its compute time (time waiting for communication left
+// out, see hddp/core/step_timer.h), the part of it that does not grow with the batch
+// (the optimizer step), and the time its input took over its link. Every
+// `rebalanceEvery` steps the ranks exchange their estimates (one small allgather) and
+// every rank solves the same split from the same numbers, so all derive the identical
+// plan without a further round trip.
+//
+// A rank's estimate (RankEstimator) is the median over its recent steps of the seconds
+// per sample of compute and of input transfer, and of the fixed seconds, with the
+// standard error of the per-sample median. When the newest steps differ from the older
+// ones by more than their errors allow (a card that throttles, a link that drops), the
+// older steps are dropped, so an estimate follows a real change within one exchange.
+// A new plan is adopted only when its predicted gain exceeds `confidence` standard
+// errors of that gain (and `hysteresis` of the step time): the split does not wander
+// on noise and moves once, to the right place, after a real change.
 #pragma once
 
 #include <deque>
@@ -30,20 +34,92 @@ struct PlannerSettings {
   /// Warm start: the first plan update after this many (calibration) steps, then
   /// every rebalanceEvery. Default 0 = after rebalanceEvery steps. The first update at
   /// which every rank has measured adopts the solver's split outright (no hysteresis,
-  /// no noise threshold): the plan it replaces was a guess, not a measured choice.
+  /// no confidence test): the plan it replaces was a guess, not a measured choice.
   int calibrationSteps = 0;
-  /// Steps in each rank's median. Default 5.
-  int window = 5;
+  /// Most recent steps each rank's estimate is taken from. Default 20.
+  int window = 20;
   /// Minimum relative improvement of the predicted step time to adopt a new plan.
-  /// Default 0.03.
-  double hysteresis = 0.03;
-  /// The threshold also grows with measured noise: at least noiseMultiplier x the
-  /// largest relative median absolute deviation of the ranks' windows (3 ~ 2 sigma),
-  /// so the plan does not chase noise. Default 3.0; 0 turns it off.
-  double noiseMultiplier = 3.0;
+  /// Default 0.02.
+  double hysteresis = 0.02;
+  /// A new plan is adopted only when its predicted gain exceeds this many standard
+  /// errors of that gain (from the spread of the ranks' recent steps); one more tells a
+  /// real change of speed from noise. Default 3.0 (one-sided 99.9% for normal errors;
+  /// the errors are themselves estimated from a few steps); 0 turns the test off.
+  double confidence = 3.0;
   /// Smallest share per rank (1 with SyncBatchNorm, whose layers need a sample on every
   /// rank). Default 0.
   int64_t minLocalBatch = 0;
+};
+
+/// What one step of one rank measured.
+struct StepMeasurement {
+  int64_t samples = 0;
+  /// Compute seconds (communication waits left out), fixedSeconds included.
+  double computeSeconds = 0.0;
+  /// The part that does not grow with the batch (the optimizer step); 0 = unknown.
+  double fixedSeconds = 0.0;
+  /// Seconds the step's input took over the rank's link; 0 = not measured.
+  double transferSeconds = 0.0;
+  /// Bytes of input the step moved over the link.
+  int64_t bytes = 0;
+};
+
+/// A rank's running estimate of its costs, from its recent steps.
+///
+/// Compute time is modelled as f + c b for b samples. When the window holds steps of
+/// different sizes, c and f come from a robust line fit (Theil-Sen: the median of the
+/// pairwise slopes), so a per-step overhead (kernel launches, hooks) is not charged per
+/// sample; otherwise f is the median of the steps' fixed part (the optimizer step) and c
+/// the median of (time - f) / b.
+class RankEstimator {
+ public:
+  /// `window`: most recent steps kept; `confidence`: standard errors that make a level
+  /// shift between the newest `newest` steps and the older ones real.
+  explicit RankEstimator(int window = 20, double confidence = 3.0, int newest = 10);
+
+  void record(const StepMeasurement& m);
+
+  struct Estimate {
+    /// Compute seconds per sample; 0 = nothing measured.
+    double secondsPerSample = 0.0;
+    /// Standard error of the compute time at the measured sizes, relative to it
+    /// (1.86 MAD of the residual ratios / sqrt(steps)).
+    double relativeError = 0.0;
+    double fixedSeconds = 0.0;
+    /// Median input transfer seconds per sample; 0 = not measured.
+    double transferSecondsPerSample = 0.0;
+    double bytesPerSample = 0.0;
+    int steps = 0;
+  };
+  /// The estimate from the steps since the last level shift. First drops the older
+  /// steps when the newest differ from what the older ones predict by more than
+  /// `confidence` combined standard errors (and 5%).
+  Estimate estimate();
+
+  /// One recorded step.
+  struct Sample {
+    double samples = 0.0;
+    double compute = 0.0;  // seconds, fixed part included
+    double fixed = 0.0;    // seconds of the part that does not grow with the batch
+    double transfer = 0.0;
+    double bytes = 0.0;
+    bool operator==(const Sample& o) const {
+      return samples == o.samples && compute == o.compute && fixed == o.fixed &&
+             transfer == o.transfer && bytes == o.bytes;
+    }
+  };
+  const std::deque<Sample>& samples() const { return samples_; }
+  void restore(std::deque<Sample> samples);
+  /// Level shifts detected so far.
+  int shifts() const { return shifts_; }
+
+ private:
+  int window_;
+  double confidence_;
+  int newest_;
+  std::deque<Sample> samples_;
+  std::deque<double> pastRatios_;  // steps dropped at a shift: their scatter only
+  int shifts_ = 0;
 };
 
 struct PlannerOptions : PlannerSettings {
@@ -64,6 +140,8 @@ class BatchPlanner {
 
   /// Records this rank's compute seconds for a step of `samples` samples.
   void record(int64_t samples, double computeSeconds);
+  /// Records what this rank's step measured (compute, its fixed part, input transfer).
+  void record(const StepMeasurement& measurement);
   /// Ends a step; every rank calls it every step. Every rebalanceEvery steps it
   /// exchanges estimates and may change the plan; returns true when it did.
   bool endStep();
@@ -89,7 +167,7 @@ class BatchPlanner {
   struct State {
     BatchPlan plan;
     int64_t step = 0;
-    std::vector<double> window;
+    std::vector<RankEstimator::Sample> window;
     std::vector<RankCost> costs;
   };
   State state() const;
@@ -105,19 +183,35 @@ class BatchPlanner {
   void load(torch::serialize::InputArchive& shared, torch::serialize::InputArchive& own);
 
   /// The planning rule itself, without communication: the plan all ranks derive from
-  /// `estimates` (and each rank's relative noise, e.g. MAD/median of its window), given
-  /// the current plan. A current plan that breaks a cap is always replaced. Public for
-  /// tests and tools.
+  /// `estimates` and the relative standard error of each rank's per-sample estimate,
+  /// given the current plan. A current plan that breaks a cap is always replaced;
+  /// otherwise the solver's plan is adopted when its predicted gain is above
+  /// options.hysteresis of the step time and above options.confidence standard errors
+  /// of the gain. Public for tests and tools.
   static BatchPlan choose(const std::vector<RankCost>& estimates, const BatchPlan& current,
                           const PlannerOptions& options,
-                          const std::vector<double>& relativeNoise = {});
+                          const std::vector<double>& relativeErrors = {});
+
+  /// One plan update as every rank makes it after the exchange: the costs from the
+  /// ranks' estimates (what is not measured is kept from `previous`), then choose().
+  /// `calibrating`: no plan has come from measurements yet; the first update at which
+  /// every rank has measured adopts the solver's split outright. Public for tests.
+  struct Decision {
+    BatchPlan plan;
+    std::vector<RankCost> costs;
+    std::vector<double> errors;
+    bool calibrated = false;  // this update was the calibration
+  };
+  static Decision decide(const std::vector<RankEstimator::Estimate>& estimates,
+                         const std::vector<RankCost>& previous, const BatchPlan& current,
+                         const PlannerOptions& options, bool calibrating);
 
  private:
   Communicator& comm_;
   PlannerOptions options_;
   BatchPlan plan_;
   std::vector<RankCost> costs_;
-  std::deque<double> secondsPerSample_;
+  RankEstimator estimator_;
   int64_t firstUpdate() const;
 
   int64_t step_ = 0;

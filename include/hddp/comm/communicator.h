@@ -85,6 +85,14 @@ class Communicator {
                              ReduceOp op = ReduceOp::Sum) = 0;
   virtual Work barrier() = 0;
 
+  /// Blocks the host until the results of the collectives already waited on can be
+  /// read on the host. Work::wait() on NCCL only orders the device stream after the
+  /// collective (the host returns at once; a later host read synchronizes); call this
+  /// before host code reads a result, e.g. a CPU tensor under a test double with NCCL's
+  /// semantics. Gloo: nothing to do (its wait() blocks). NCCL: waits for the device's
+  /// current stream.
+  virtual void synchronize() {}
+
   /// Gathers a variable-size byte blob from every rank (e.g. measured step times).
   /// Blocking: two collectives (sizes, then padded payloads).
   std::vector<std::vector<uint8_t>> allgatherBytes(const std::vector<uint8_t>& mine);

@@ -129,6 +129,8 @@ struct DdpStepStats {
   std::vector<BucketTiming> bucketTimes;
 };
 
+class StepTimer;
+
 class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Communicator& communicator,
@@ -185,6 +187,12 @@ class DistributedDataParallel {
 
   /// Broadcasts buffers from rank 0 now (BufferSync::BeforeForward: before forward).
   void syncBuffers();
+
+  /// Marks finalize()'s wait for the buckets as a communication wait on `timer`
+  /// (beginWait() before the first Work::wait(), endWait() after the last), so the
+  /// step's compute time leaves it out, on the host or on the device stream. Null (the
+  /// default) marks nothing. The timer must outlive this object or be reset to null.
+  void setStepTimer(StepTimer* timer);
 
   torch::nn::Module& module();
   const std::shared_ptr<torch::nn::Module>& modulePtr() const;

@@ -33,6 +33,7 @@
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/balance/planner.h"
+#include "hddp/core/step_timer.h"
 #include "hddp/data/loader.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 
@@ -70,6 +71,13 @@ struct TrainerOptions {
   /// How the planner measures and decides (the batch it splits is globalBatch above).
   /// The default plans first after 3 calibration steps, then every 10 steps.
   PlannerSettings planner = defaultPlannerSettings();
+  /// With balancing, split the first step by each rank's device and link already: each
+  /// rank probes its link (sysfs; pinned copy bandwidth on a device, ~0.1 s), takes its
+  /// input bytes per sample from the dataset, and times forward passes of 8 samples in
+  /// eval mode without gradients (the fastest of three; compute per sample ~3x a forward); the
+  /// ranks exchange the costs (hddp/balance/cost_model.h) and the planner starts from their split.
+  /// false: start from the equal split. Default true.
+  bool seedPlan = true;
   DdpOptions ddp;
   /// Workers, prefetch depth, drop-last. Its device, seeds and the sampler seed are set
   /// by the Trainer.
@@ -110,6 +118,12 @@ struct TrainerOptions {
   /// Heterogeneity emulation (tests, demos); default: HDDP_EMULATE_SLOWDOWN /
   /// HDDP_EMULATE_LINK_GBPS / HDDP_EMULATE_MEMORY_CAP of the environment.
   std::optional<EmulationOptions> emulation;
+  /// What measures each step's compute time for the planner. Default (null): the host
+  /// clock on a CPU device (Gloo's waits block the host and are left out), events on
+  /// the device's stream otherwise (NCCL's waits do not block the host, so host time
+  /// would count the wait for a slower rank as compute). Give one for a device hddp has
+  /// no timer for, or in tests.
+  std::function<std::unique_ptr<StepTimer>(const c10::Device&)> stepTimer;
 
   static PlannerSettings defaultPlannerSettings() {
     PlannerSettings p;

@@ -1,0 +1,190 @@
+#include "hddp/core/step_timer.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <chrono>
+#include <deque>
+#include <optional>
+#include <string>
+
+#include "hddp/core/error.h"
+
+namespace hddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class HostStepTimer final : public StepTimer {
+ public:
+  void start(const StepLabel& label) override {
+    open_ = true;
+    label_ = label;
+    start_ = Clock::now();
+    wait_ = 0.0;
+    waiting_ = false;
+    waited_ = false;
+  }
+  void beginWait() override {
+    if (open_ && !waiting_) {
+      waiting_ = true;
+      waitStart_ = Clock::now();
+    }
+  }
+  void endWait() override {
+    if (open_ && waiting_) {
+      waiting_ = false;
+      lastWaitEnd_ = Clock::now();
+      waited_ = true;
+      wait_ += std::chrono::duration<double>(lastWaitEnd_ - waitStart_).count();
+    }
+  }
+  void stop() override {
+    if (!open_) {
+      return;
+    }
+    endWait();
+    open_ = false;
+    const auto now = Clock::now();
+    StepTiming t;
+    t.label = label_;
+    t.totalSeconds = std::chrono::duration<double>(now - start_).count();
+    t.waitSeconds = wait_;
+    t.tailSeconds = waited_ ? std::chrono::duration<double>(now - lastWaitEnd_).count() : 0.0;
+    done_.push_back(t);
+  }
+  std::vector<StepTiming> collect() override {
+    std::vector<StepTiming> out(done_.begin(), done_.end());
+    done_.clear();
+    return out;
+  }
+  const char* describe() const override { return "host clock"; }
+
+ private:
+  bool open_ = false;
+  bool waiting_ = false;
+  bool waited_ = false;
+  StepLabel label_;
+  Clock::time_point start_;
+  Clock::time_point waitStart_;
+  Clock::time_point lastWaitEnd_;
+  double wait_ = 0.0;
+  std::deque<StepTiming> done_;
+};
+
+// One step's events: start, the wait spans' ends, stop. Events are reused across
+// steps (a pool), since creating one per mark would cost a driver call each.
+class DeviceStepTimer final : public StepTimer {
+ public:
+  explicit DeviceStepTimer(const c10::Device& device)
+      : device_(device), guard_(device.type()), name_(device.str() + " events") {
+    HDDP_CHECK_AS(ConfigError, !device.is_cpu(),
+                  "a device step timer needs a device with events, not the CPU");
+  }
+
+  void start(const StepLabel& label) override {
+    if (open_) {
+      release(*open_);  // abandoned: never stopped
+    }
+    open_ = Marks{label, take(), {}, {}, nullptr};
+    record(*open_->start);
+  }
+  void beginWait() override {
+    if (open_ && open_->waits.size() == open_->waitEnds.size()) {
+      open_->waits.push_back(take());
+      record(*open_->waits.back());
+    }
+  }
+  void endWait() override {
+    if (open_ && open_->waits.size() == open_->waitEnds.size() + 1) {
+      open_->waitEnds.push_back(take());
+      record(*open_->waitEnds.back());
+    }
+  }
+  void stop() override {
+    if (!open_) {
+      return;
+    }
+    endWait();
+    open_->stop = take();
+    record(*open_->stop);
+    pending_.push_back(std::move(*open_));
+    open_.reset();
+  }
+  std::vector<StepTiming> collect() override {
+    std::vector<StepTiming> out;
+    // Events complete in stream order: the first incomplete stop ends the harvest.
+    while (!pending_.empty() && pending_.front().stop->query()) {
+      Marks& m = pending_.front();
+      StepTiming t;
+      t.label = m.label;
+      t.totalSeconds = m.start->elapsedTime(*m.stop) / 1e3;
+      for (size_t i = 0; i < m.waitEnds.size(); ++i) {
+        t.waitSeconds += m.waits[i]->elapsedTime(*m.waitEnds[i]) / 1e3;
+      }
+      if (!m.waitEnds.empty()) {
+        t.tailSeconds = m.waitEnds.back()->elapsedTime(*m.stop) / 1e3;
+      }
+      out.push_back(t);
+      release(m);
+      pending_.pop_front();
+    }
+    return out;
+  }
+  const char* describe() const override { return name_.c_str(); }
+
+ private:
+  using EventPtr = std::unique_ptr<c10::Event>;
+  struct Marks {
+    StepLabel label;
+    EventPtr start;
+    std::vector<EventPtr> waits;
+    std::vector<EventPtr> waitEnds;
+    EventPtr stop;
+  };
+
+  EventPtr take() {
+    if (free_.empty()) {
+      return std::make_unique<c10::Event>(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    }
+    EventPtr e = std::move(free_.back());
+    free_.pop_back();
+    return e;
+  }
+  void release(Marks& m) {
+    auto give = [&](EventPtr& e) {
+      if (e) {
+        free_.push_back(std::move(e));
+      }
+    };
+    give(m.start);
+    give(m.stop);
+    for (auto& e : m.waits) give(e);
+    for (auto& e : m.waitEnds) give(e);
+  }
+  void record(c10::Event& event) { event.record(guard_.getStream(device_)); }
+
+  c10::Device device_;
+  c10::impl::VirtualGuardImpl guard_;
+  std::string name_;
+  std::optional<Marks> open_;
+  std::deque<Marks> pending_;
+  std::vector<EventPtr> free_;
+};
+
+}  // namespace
+
+std::unique_ptr<StepTimer> makeHostStepTimer() { return std::make_unique<HostStepTimer>(); }
+
+std::unique_ptr<StepTimer> makeDeviceStepTimer(const c10::Device& device) {
+  return std::make_unique<DeviceStepTimer>(device);
+}
+
+std::unique_ptr<StepTimer> makeStepTimer(const c10::Device& device) {
+  if (device.is_cpu()) {
+    return makeHostStepTimer();
+  }
+  return makeDeviceStepTimer(device);
+}
+
+}  // namespace hddp

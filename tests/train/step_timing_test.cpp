@@ -1,0 +1,372 @@
+// The planner under NCCL's semantics, on CPU ranks: Work::wait() returns at once and the
+// host waits for a slower rank at the synchronization after backward
+// (support/stream_semantics.h). The Trainer's step timer leaves that wait out of the
+// compute time; a timer that takes host time to the status read does not, every rank
+// then measures the slow rank's step time, and the split stays where it started.
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <mutex>
+#include <thread>
+
+#include "hddp/balance/cost_model.h"
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "hddp/core/step_timer.h"
+#include "hddp/data/datasets.h"
+#include "hddp/train/trainer.h"
+#include "support/ranks.h"
+#include "support/stream_semantics.h"
+
+namespace {
+
+using hddp::testing::runThreads;
+
+// A model whose compute grows with the batch and not with the CPU's load: its forward
+// takes 0.5 ms per sample (a sleep, so two ranks on two shared cores do not disturb
+// each other's timing) besides a small MLP.
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(64, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::microseconds(500 * x.size(0)));
+    return fc2->forward(torch::relu(fc1->forward(x.flatten(1))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// Host time from the step's start to the status read, less only DDP's own wait(): what
+// a host-clock timer measures on NCCL, where that wait() returns at once.
+class HostTimeToStatusRead final : public hddp::StepTimer {
+ public:
+  HostTimeToStatusRead() : host_(hddp::makeHostStepTimer()) {}
+  void start(const hddp::StepLabel& label) override {
+    spans_ = 0;
+    host_->start(label);
+  }
+  void beginWait() override {
+    if (spans_ == 0) {
+      host_->beginWait();
+    }
+  }
+  void endWait() override {
+    if (spans_++ == 0) {
+      host_->endWait();
+    }
+  }
+  void stop() override { host_->stop(); }
+  std::vector<hddp::StepTiming> collect() override { return host_->collect(); }
+  const char* describe() const override { return "host time to the status read"; }
+
+ private:
+  std::unique_ptr<hddp::StepTimer> host_;
+  int spans_ = 0;
+};
+
+struct Run {
+  std::vector<int64_t> plan;
+  int deferred = 0;
+  std::vector<at::Tensor> params;
+};
+
+// Two ranks behind the NCCL-semantics double, rank 1 computing 3x slower.
+std::vector<Run> trainUnderStreamSemantics(bool hostTimeToStatusRead) {
+  std::vector<Run> runs(2);
+  std::mutex mutex;
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    hddp::testing::StreamSemanticsCommunicator comm(hddp::makeCommunicator(store, rank, size));
+    torch::manual_seed(7);
+    at::set_num_threads(1);
+    Mlp model;
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 64;
+    o.maxSteps = 24;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 1;
+    o.planner.calibrationSteps = 4;
+    o.planner.rebalanceEvery = 4;
+    o.seedPlan = false;  // the timer's measurements, not the seed, must find the split
+    hddp::EmulationOptions slow;
+    slow.slowdown = rank == 1 ? 3.0 : 1.0;
+    o.emulation = slow;
+    if (hostTimeToStatusRead) {
+      o.stepTimer = [](const c10::Device&) { return std::make_unique<HostTimeToStatusRead>(); };
+    }
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(64 * 24, 64, 1, 4);
+    hddp::Trainer trainer(comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    trainer.fit();
+    std::lock_guard<std::mutex> lock(mutex);
+    runs[rank].plan = trainer.planner()->plan().local;
+    runs[rank].deferred = comm.deferredCompletions();
+    for (const auto& p : model->parameters()) {
+      runs[rank].params.push_back(p.detach().clone());
+    }
+  });
+  return runs;
+}
+
+std::string describe(const std::vector<int64_t>& plan) {
+  std::string s = "[";
+  for (size_t i = 0; i < plan.size(); ++i) {
+    s += (i ? ", " : "") + std::to_string(plan[i]);
+  }
+  return s + "]";
+}
+
+TEST(StepTiming, PlannerReachesTheSplitUnderNcclSemantics) {
+  const auto runs = trainUnderStreamSemantics(/*hostTimeToStatusRead=*/false);
+  EXPECT_EQ(runs[0].plan, runs[1].plan);
+  // The double did defer: the fast rank's wait() returned before the slow rank had sent.
+  EXPECT_GT(runs[0].deferred, 0);
+  // Results are read only after the synchronization: both ranks hold the same model.
+  ASSERT_EQ(runs[0].params.size(), runs[1].params.size());
+  for (size_t i = 0; i < runs[0].params.size(); ++i) {
+    EXPECT_TRUE(runs[0].params[i].equal(runs[1].params[i])) << "parameter " << i;
+  }
+  // 3x slower: about 48 and 16 of 64 (the per-step overhead, 3x on rank 1 too, moves it
+  // a sample or two); allow the timing noise of two threads on a shared CPU.
+  const auto& plan = runs[0].plan;
+  EXPECT_GE(plan[0], 42) << describe(plan);
+  EXPECT_LE(plan[0], 52) << describe(plan);
+}
+
+// The failure the timer exists to avoid, shown with the double: host time to the status
+// read includes the wait for the slow rank, both ranks measure about the same step time,
+// and the split stays near equal.
+TEST(StepTiming, HostTimeToTheStatusReadLeavesTheSplitNearEqual) {
+  const auto runs = trainUnderStreamSemantics(/*hostTimeToStatusRead=*/true);
+  EXPECT_EQ(runs[0].plan, runs[1].plan);
+  EXPECT_LT(runs[0].plan[0], 42) << describe(runs[0].plan);
+}
+
+// Equal compute, rank 1's input link emulated at 50 MB/s: its 48 KiB samples take
+// ~1 ms each over the link besides 0.3 ms of compute, so the split follows the link
+// ([26, 6] of 32 by the model) and not the compute alone ([16, 16]). The seed already
+// gives that split to the first step, and the measured transfer keeps it.
+TEST(StepTiming, TheSplitFollowsTheLinkFromTheFirstStep) {
+  const double linkBytesPerSecond = 50e6;
+  const double sampleBytes = 3 * 64 * 64 * 4;
+  std::vector<std::vector<int64_t>> first(2), last(2);
+  std::vector<std::vector<hddp::RankCost>> costs(2);
+  std::mutex mutex;
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(7);
+    at::set_num_threads(1);
+    torch::nn::Linear model(3 * 64 * 64, 4);
+    // 0.3 ms of compute per sample, a third in forward and two thirds in backward (as
+    // the seed's timed forward assumes): sleeps, so the shared CPU does not disturb it.
+    auto forward = [&model](const at::Tensor& x) {
+      const int64_t b = x.size(0);
+      std::this_thread::sleep_for(std::chrono::microseconds(100 * b));
+      at::Tensor out = model->forward(x.flatten(1));
+      if (out.requires_grad()) {
+        out.register_hook([b](const at::Tensor& grad) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200 * b));
+          return grad;
+        });
+      }
+      return out;
+    };
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 32;
+    o.maxSteps = 16;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 1;
+    o.planner.calibrationSteps = 4;
+    o.planner.rebalanceEvery = 4;
+    hddp::EmulationOptions link;
+    link.linkBytesPerSecond = rank == 1 ? linkBytesPerSecond : 0.0;
+    o.emulation = link;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(32 * 16, 3, 64, 4);
+    hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
+    const auto seeded = trainer.plan().local;
+    trainer.fit();
+    std::lock_guard<std::mutex> lock(mutex);
+    first[rank] = seeded;
+    last[rank] = trainer.planner()->plan().local;
+    costs[rank] = trainer.planner()->costs();
+  });
+  // The model's split: compute 0.3 ms/sample on both, rank 1 + 48 KiB / 50 MB/s.
+  std::vector<hddp::RankCost> model(2);
+  model[0].secondsPerSample = model[1].secondsPerSample = 0.0003;
+  model[1].bytesPerSample = sampleBytes;
+  model[1].linkBytesPerSecond = linkBytesPerSecond;
+  const auto predicted = hddp::solveSplit(model, 32).local;  // [26, 6]
+  ASSERT_EQ(predicted, (std::vector<int64_t>{26, 6}));
+  EXPECT_EQ(first[0], first[1]);
+  EXPECT_EQ(last[0], last[1]);
+  EXPECT_NEAR(first[0][1], predicted[1], 2) << describe(first[0]);
+  EXPECT_NEAR(last[0][1], predicted[1], 2) << describe(last[0]);
+  // The measured transfer kept the link in rank 1's cost; rank 0 has none.
+  EXPECT_NEAR(costs[0][1].linkBytesPerSecond, linkBytesPerSecond, 0.1 * linkBytesPerSecond);
+  EXPECT_NEAR(costs[0][1].bytesPerSample, sampleBytes, 16.0);  // + the int64 label
+  EXPECT_EQ(costs[0][0].linkBytesPerSecond, 0.0);
+}
+
+TEST(StepTiming, CostOfAProfileUsesTheBestKnownLink) {
+  hddp::RankProfile cpu;
+  cpu.bytesPerSample = 1000;
+  cpu.computeSecondsPerSample = 0.001;
+  EXPECT_EQ(hddp::costOf(cpu).linkBytesPerSecond, 0.0);  // the input is in its memory
+  EXPECT_EQ(hddp::linkSource(cpu), "none");
+  hddp::RankProfile egpu = cpu;
+  egpu.device = c10::Device(c10::kCUDA, 0);
+  egpu.link = hddp::PcieLink{3, 4, 3, 16, "0000:05:00.0"};
+  egpu.transferOverlapped = true;
+  EXPECT_NEAR(hddp::costOf(egpu).linkBytesPerSecond, hddp::pcieGBps(3, 4) * 1e9, 1.0);
+  EXPECT_EQ(hddp::linkSource(egpu), "PCIe Gen3 x4 (nominal)");
+  EXPECT_TRUE(hddp::costOf(egpu).transferOverlapped);
+  egpu.measuredBytesPerSecond = 2.8e9;
+  EXPECT_EQ(hddp::costOf(egpu).linkBytesPerSecond, 2.8e9);
+  EXPECT_EQ(hddp::linkSource(egpu), "measured");
+  egpu.emulatedLinkBytesPerSecond = 1e9;
+  egpu.emulatedSlowdown = 2.0;
+  const auto c = hddp::costOf(egpu);
+  EXPECT_EQ(c.linkBytesPerSecond, 1e9);
+  EXPECT_FALSE(c.transferOverlapped);  // an emulated link is slept after the step
+  EXPECT_DOUBLE_EQ(c.secondsPerSample, 0.002);
+  // Overlapped copies: the step pays the larger of compute and transfer per sample.
+  hddp::RankCost overlapped;
+  overlapped.secondsPerSample = 0.001;
+  overlapped.bytesPerSample = 3000;
+  overlapped.linkBytesPerSecond = 1e6;  // 3 ms per sample
+  overlapped.transferOverlapped = true;
+  EXPECT_DOUBLE_EQ(overlapped.perSampleSeconds(), 0.003);
+  overlapped.transferOverlapped = false;
+  EXPECT_DOUBLE_EQ(overlapped.perSampleSeconds(), 0.004);
+}
+
+TEST(StepTiming, HostTimerLeavesWaitSpansOut) {
+  auto timer = hddp::makeHostStepTimer();
+  EXPECT_TRUE(timer->collect().empty());
+  timer->start({3, 10, 100});
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  timer->beginWait();
+  std::this_thread::sleep_for(std::chrono::milliseconds(40));
+  timer->endWait();
+  timer->beginWait();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  timer->endWait();
+  timer->stop();
+  const auto t = timer->collect();
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t[0].label.step, 3);
+  EXPECT_EQ(t[0].label.samples, 10);
+  EXPECT_GE(t[0].waitSeconds, 0.055);
+  EXPECT_GE(t[0].totalSeconds, t[0].waitSeconds + 0.018);
+  EXPECT_LT(t[0].computeSeconds(), t[0].totalSeconds - 0.055);
+  EXPECT_TRUE(timer->collect().empty());  // each step once
+  // A step never stopped (abandoned) is dropped by the next start().
+  timer->start({4, 10, 0});
+  timer->start({5, 10, 0});
+  timer->stop();
+  const auto next = timer->collect();
+  ASSERT_EQ(next.size(), 1u);
+  EXPECT_EQ(next[0].label.step, 5);
+}
+
+TEST(StepTiming, DeviceTimerRefusesTheCpu) {
+  EXPECT_THROW(hddp::makeDeviceStepTimer(c10::Device(c10::kCPU)), hddp::ConfigError);
+  EXPECT_STREQ(hddp::makeStepTimer(c10::Device(c10::kCPU))->describe(), "host clock");
+}
+
+#define SKIP_WITHOUT_CUDA()                                                                \
+  if (!torch::cuda::is_available() || !hddp::ncclAvailable()) {                            \
+    GTEST_SKIP() << "needs a CUDA device and the NCCL build (run tools/gpu-check.sh on a " \
+                    "GPU machine)";                                                        \
+  }
+
+// On a device the wait is on the stream: the compute stream waits (event block) for a
+// long kernel on another stream, as it waits for NCCL's; the host returns at once. The
+// device timer counts that span as waiting, the rest as compute, and hands the step
+// over only once its events have completed, without synchronizing.
+TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  auto timer = hddp::makeStepTimer(dev);
+  EXPECT_STREQ(timer->describe(), "cuda:0 events");
+  auto a = torch::randn({2048, 2048}, torch::TensorOptions().device(dev));
+  auto small = torch::randn({256, 256}, torch::TensorOptions().device(dev));
+  torch::cuda::synchronize();
+  c10::impl::VirtualGuardImpl guard(c10::kCUDA);
+  const c10::Stream compute = guard.getStream(dev);
+  const c10::Stream other = guard.getStreamFromGlobalPool(dev, false);
+  timer->start({0, 8, 0});
+  for (int i = 0; i < 5; ++i) {
+    small = small.mm(small).tanh();  // a little compute
+  }
+  // The "collective": 40 large matmuls on the other stream, the compute stream waits.
+  c10::Event done(c10::kCUDA);
+  {
+    c10::StreamGuard on(other);
+    auto b = a;
+    for (int i = 0; i < 40; ++i) {
+      b = b.mm(a).tanh();
+    }
+    done.record(other);
+  }
+  timer->beginWait();
+  done.block(compute);
+  timer->endWait();
+  for (int i = 0; i < 5; ++i) {
+    small = small.mm(small).tanh();
+  }
+  timer->stop();
+  torch::cuda::synchronize();
+  const auto t = timer->collect();
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_GT(t[0].waitSeconds, 0.0);
+  EXPECT_GT(t[0].waitSeconds, 5 * t[0].computeSeconds())
+      << "total " << t[0].totalSeconds << " s, wait " << t[0].waitSeconds << " s";
+  EXPECT_GT(t[0].computeSeconds(), 0.0);
+  EXPECT_GT(t[0].tailSeconds, 0.0);
+}
+
+// The Trainer on one GPU with NCCL times its steps with device events and hands the
+// planner compute times (one step late), with no synchronization added for timing.
+TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  const std::string dir = hddp::testing::makeTempDir();
+  auto store = hddp::Store::memory();
+  hddp::CommunicatorOptions co;
+  co.backend = hddp::Backend::Nccl;
+  co.device = c10::Device(c10::kCUDA, 0);
+  auto comm = hddp::makeCommunicator(store, 0, 1, co);
+  Mlp model;
+  model->to(co.device);
+  torch::optim::SGD opt(model->parameters(), 0.01);
+  hddp::TrainerOptions o;
+  o.globalBatch = 64;
+  o.maxSteps = 12;
+  o.progress = hddp::ProgressMode::Off;
+  o.logEvery = 1;
+  o.metricsPath = dir + "/m.jsonl";
+  auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(64 * 12, 64, 1, 4);
+  hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                        o);
+  trainer.fit();
+  std::ifstream in(dir + "/m.jsonl");
+  int withCompute = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"kind\":\"step\"") == std::string::npos) {
+      continue;
+    }
+    const auto at = line.find("\"compute_s\":");
+    ASSERT_NE(at, std::string::npos) << line;
+    withCompute += std::stod(line.substr(at + 12)) > 0 ? 1 : 0;
+  }
+  EXPECT_GE(withCompute, 10);  // every step but the first (read one step late)
+}
+
+}  // namespace

@@ -9,6 +9,21 @@
 
 namespace hddp {
 
+std::array<double, kRankCostFields> costFields(const RankCost& c) {
+  return {c.secondsPerSample, c.fixedSeconds, c.bytesPerSample, c.linkBytesPerSecond,
+          c.transferOverlapped ? 1.0 : 0.0};
+}
+
+RankCost costFromFields(const double* f) {
+  RankCost c;
+  c.secondsPerSample = f[0];
+  c.fixedSeconds = f[1];
+  c.bytesPerSample = f[2];
+  c.linkBytesPerSecond = f[3];
+  c.transferOverlapped = f[4] > 0.5;
+  return c;
+}
+
 int64_t BatchPlan::offsetOf(int rank) const {
   HDDP_CHECK(rank >= 0 && rank < static_cast<int>(local.size()), "BatchPlan::offsetOf: rank ", rank,
              " is not in a plan of ", local.size(), " ranks");

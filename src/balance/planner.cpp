@@ -44,147 +44,6 @@ std::string describeCosts(const std::vector<RankCost>& costs, const std::vector<
   return os.str();
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) {
-    return 0.0;
-  }
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Median and the standard error of the median (normal errors: 1.2533 sigma / sqrt(n),
-// sigma from the median absolute deviation, 1.4826 MAD), in absolute units.
-struct Location {
-  double median = 0.0;
-  double error = 0.0;
-};
-
-Location locate(const std::vector<double>& v) {
-  Location l;
-  l.median = median(v);
-  if (v.size() < 2) {
-    l.error = 0.5 * std::abs(l.median);  // one step: no spread to go by
-    return l;
-  }
-  std::vector<double> deviation;
-  for (double x : v) {
-    deviation.push_back(std::abs(x - l.median));
-  }
-  l.error = 1.2533 * 1.4826 * median(deviation) / std::sqrt(static_cast<double>(v.size()));
-  return l;
-}
-
-// The mean of the middle 60% (20% trimmed each side): nearly as efficient as the mean
-// for light-tailed noise, and a slow outlier step (a page fault, a collector) does not
-// move it. With fewer than 5 values, the median.
-constexpr double kTrim = 0.2;
-
-double trimmedMean(std::vector<double> v) {
-  if (v.size() < 5) {
-    return median(v);
-  }
-  std::sort(v.begin(), v.end());
-  const auto g = static_cast<size_t>(kTrim * static_cast<double>(v.size()));
-  double sum = 0.0;
-  for (size_t i = g; i < v.size() - g; ++i) {
-    sum += v[i];
-  }
-  return sum / static_cast<double>(v.size() - 2 * g);
-}
-
-// The standard deviation of the trimmed mean's terms: the winsorized standard deviation
-// over (1 - 2 x trim) (Tukey-McLaughlin); the trimmed mean's standard error is this
-// over sqrt(n).
-double trimmedSpread(std::vector<double> v) {
-  if (v.size() < 2) {
-    return 0.5 * std::abs(median(v));  // one step: no spread to go by
-  }
-  std::sort(v.begin(), v.end());
-  const auto g = static_cast<size_t>(kTrim * static_cast<double>(v.size()));
-  for (size_t i = 0; i < g; ++i) {
-    v[i] = v[g];
-    v[v.size() - 1 - i] = v[v.size() - 1 - g];
-  }
-  double mean = 0.0;
-  for (double x : v) {
-    mean += x;
-  }
-  mean /= static_cast<double>(v.size());
-  double ss = 0.0;
-  for (double x : v) {
-    ss += (x - mean) * (x - mean);
-  }
-  const double sd = std::sqrt(ss / static_cast<double>(v.size() - 1));
-  return sd / (1.0 - 2.0 * kTrim);
-}
-
-// Compute time f + c b fitted to steps [from, to).
-struct Fit {
-  double perSample = 0.0;
-  double fixed = 0.0;
-};
-
-Fit fitCompute(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to) {
-  Fit fit;
-  double lo = std::numeric_limits<double>::max();
-  double hi = 0.0;
-  for (size_t i = from; i < to; ++i) {
-    lo = std::min(lo, w[i].samples);
-    hi = std::max(hi, w[i].samples);
-  }
-  if (to > from + 1 && hi >= 1.25 * lo) {
-    std::vector<double> slopes;
-    for (size_t i = from; i < to; ++i) {
-      for (size_t j = i + 1; j < to; ++j) {
-        if (w[i].samples != w[j].samples) {
-          slopes.push_back((w[j].compute - w[i].compute) / (w[j].samples - w[i].samples));
-        }
-      }
-    }
-    fit.perSample = median(slopes);
-    if (fit.perSample > 0) {
-      std::vector<double> intercepts;
-      for (size_t i = from; i < to; ++i) {
-        intercepts.push_back(w[i].compute - fit.perSample * w[i].samples);
-      }
-      fit.fixed = std::max(0.0, median(intercepts));
-      return fit;
-    }
-  }
-  std::vector<double> fixed;
-  std::vector<double> perSample;
-  for (size_t i = from; i < to; ++i) {
-    fixed.push_back(w[i].fixed);
-  }
-  fit.fixed = median(fixed);
-  for (size_t i = from; i < to; ++i) {
-    perSample.push_back(std::max(w[i].compute - fit.fixed, 0.1 * w[i].compute) / w[i].samples);
-  }
-  fit.perSample = trimmedMean(perSample);
-  return fit;
-}
-
-// Measured time over the fit's prediction, per step (1 = as predicted).
-std::vector<double> ratios(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to,
-                           const Fit& fit) {
-  std::vector<double> out;
-  for (size_t i = from; i < to; ++i) {
-    const double predicted = fit.fixed + fit.perSample * w[i].samples;
-    out.push_back(predicted > 0 ? w[i].compute / predicted : 1.0);
-  }
-  return out;
-}
-
-std::vector<double> transferPerSample(const std::deque<RankEstimator::Sample>& w, size_t from,
-                                      size_t to) {
-  std::vector<double> out;
-  for (size_t i = from; i < to; ++i) {
-    out.push_back(w[i].transfer / w[i].samples);
-  }
-  return out;
-}
-
 // The split with every rank given at least `minLocal`: solve for the rest.
 BatchPlan solveWithMinimum(const std::vector<RankCost>& costs, int64_t global, int64_t minLocal) {
   if (minLocal <= 0) {
@@ -209,94 +68,6 @@ BatchPlan solveWithMinimum(const std::vector<RankCost>& costs, int64_t global, i
 }
 
 }  // namespace
-
-RankEstimator::RankEstimator(int window, double confidence, int newest)
-    : window_(window), confidence_(confidence), newest_(newest) {
-  HDDP_CHECK_AS(ConfigError, window >= 1 && newest >= 1 && confidence >= 0,
-                "RankEstimator: window ", window, ", newest ", newest, ", confidence ", confidence,
-                " must be positive");
-}
-
-void RankEstimator::record(const StepMeasurement& m) {
-  if (m.samples <= 0 || !(m.computeSeconds > 0) || !std::isfinite(m.computeSeconds)) {
-    return;  // no samples this step: nothing learnt about the speed
-  }
-  Sample s;
-  s.samples = static_cast<double>(m.samples);
-  s.compute = m.computeSeconds;
-  s.fixed = std::clamp(m.fixedSeconds, 0.0, 0.9 * m.computeSeconds);
-  s.transfer = std::max(0.0, m.transferSeconds);
-  s.bytes = static_cast<double>(std::max<int64_t>(0, m.bytes));
-  samples_.push_back(s);
-  while (static_cast<int>(samples_.size()) > window_) {
-    samples_.pop_front();
-  }
-}
-
-void RankEstimator::restore(std::deque<Sample> samples) {
-  samples_ = std::move(samples);
-  pastRatios_.clear();
-  while (static_cast<int>(samples_.size()) > window_) {
-    samples_.pop_front();
-  }
-}
-
-RankEstimator::Estimate RankEstimator::estimate() {
-  const size_t n = samples_.size();
-  // A level shift: do the newest steps take what the older ones predict, in compute
-  // and in transfer per sample?
-  // One more standard error than a plan change needs: a false shift only shrinks the
-  // window, but it should be rare.
-  const size_t m = std::min<size_t>(static_cast<size_t>(newest_), n / 2);
-  if (m >= 4 && confidence_ > 0) {
-    auto differ = [&](const Location& older, const Location& newer) {
-      const double difference = std::abs(newer.median - older.median);
-      return difference > (confidence_ + 1.0) * std::hypot(newer.error, older.error) &&
-             difference > 0.05 * std::max(std::abs(older.median), std::abs(newer.median));
-    };
-    const Fit older = fitCompute(samples_, 0, n - m);
-    const bool computeShifted = differ(locate(ratios(samples_, 0, n - m, older)),
-                                       locate(ratios(samples_, n - m, n, older)));
-    const bool transferShifted = differ(locate(transferPerSample(samples_, 0, n - m)),
-                                        locate(transferPerSample(samples_, n - m, n)));
-    if (computeShifted || transferShifted) {
-      // The older steps leave the estimate; their scatter around their own level stays
-      // in the noise estimate, which a short new window would understate.
-      for (double r : ratios(samples_, 0, n - m, older)) {
-        pastRatios_.push_back(r);
-      }
-      samples_.erase(samples_.begin(), samples_.end() - static_cast<std::ptrdiff_t>(m));
-      ++shifts_;
-    }
-  }
-  Estimate e;
-  const size_t k = samples_.size();
-  e.steps = static_cast<int>(k);
-  if (k == 0) {
-    return e;
-  }
-  const Fit fit = fitCompute(samples_, 0, k);
-  e.secondsPerSample = fit.perSample;
-  e.fixedSeconds = fit.fixed;
-  // The standard error of the level from the scatter of the ratios (median ~1, so it
-  // is relative), the dropped steps' scatter included, over the steps behind it.
-  while (pastRatios_.size() + k > static_cast<size_t>(window_)) {
-    pastRatios_.pop_front();
-  }
-  std::vector<double> scatter = ratios(samples_, 0, k, fit);
-  scatter.insert(scatter.end(), pastRatios_.begin(), pastRatios_.end());
-  // A spread measured on few steps is itself uncertain (Student's t): widen the error
-  // for short windows, about as t's 99.9% quantile exceeds the normal's.
-  const auto steps = static_cast<double>(k);
-  e.relativeError = trimmedSpread(scatter) / std::sqrt(steps) * (1.0 + 3.0 / steps);
-  e.transferSecondsPerSample = median(transferPerSample(samples_, 0, k));
-  std::vector<double> bytes;
-  for (const auto& s : samples_) {
-    bytes.push_back(s.bytes / s.samples);
-  }
-  e.bytesPerSample = median(bytes);
-  return e;
-}
 
 BatchPlanner::BatchPlanner(Communicator& communicator, PlannerOptions options,
                            std::vector<RankCost> initial)
@@ -592,13 +363,15 @@ void BatchPlanner::save(torch::serialize::OutputArchive& shared,
   std::vector<double> costs;
   std::vector<int64_t> caps;  // -1 = none
   for (const auto& c : costs_) {
-    costs.insert(costs.end(), {c.secondsPerSample, c.fixedSeconds, c.bytesPerSample,
-                               c.linkBytesPerSecond, c.transferOverlapped ? 1.0 : 0.0});
+    const auto fields = costFields(c);
+    costs.insert(costs.end(), fields.begin(), fields.end());
   }
+
   for (int64_t cap : memoryCaps()) {
     caps.push_back(cap == std::numeric_limits<int64_t>::max() ? -1 : cap);
   }
-  shared.write("costs", doubles(costs).reshape({static_cast<int64_t>(costs_.size()), 5}));
+  shared.write("costs", doubles(costs).reshape({static_cast<int64_t>(costs_.size()),
+                                                static_cast<int64_t>(kRankCostFields)}));
   shared.write("caps", at::tensor(caps, at::kLong));
   std::vector<double> window;  // per step: samples, compute s, fixed s, transfer s, bytes
   for (const auto& w : estimator_.samples()) {
@@ -626,18 +399,13 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
     state.window.push_back(RankEstimator::Sample{w[0], w[1], w[2], w[3], w[4]});
   }
   const at::Tensor costs = readEntry(shared, "costs");
-  HDDP_CHECK_AS(StateError, costs.dim() == 2 && costs.size(1) == 5,
+  HDDP_CHECK_AS(StateError,
+                costs.dim() == 2 && costs.size(1) == static_cast<int64_t>(kRankCostFields),
                 "the planner's costs have shape ", costs.sizes(),
                 ", not [ranks, 5] (written by an older hddp?)");
   for (int64_t i = 0; i < costs.size(0); ++i) {
-    const double* c = costs.data_ptr<double>() + 5 * i;
-    RankCost cost;
-    cost.secondsPerSample = c[0];
-    cost.fixedSeconds = c[1];
-    cost.bytesPerSample = c[2];
-    cost.linkBytesPerSecond = c[3];
-    cost.transferOverlapped = c[4] > 0.5;
-    state.costs.push_back(cost);
+    state.costs.push_back(
+        costFromFields(costs.data_ptr<double>() + static_cast<int64_t>(kRankCostFields) * i));
   }
   const at::Tensor caps = readEntry(shared, "caps");
   if (caps.numel() == comm_.size()) {

@@ -194,22 +194,15 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
                 " B/sample over ", mine.linkBytesPerSecond / 1e9, " GB/s (", linkSource(profile),
                 profile.external ? ", eGPU" : "", ")",
                 mine.transferOverlapped ? ", copies overlap compute" : "");
-  const double fields[5] = {mine.secondsPerSample, mine.fixedSeconds, mine.bytesPerSample,
-                            mine.linkBytesPerSecond, mine.transferOverlapped ? 1.0 : 0.0};
-  std::vector<uint8_t> bytes(sizeof(fields));
-  std::memcpy(bytes.data(), fields, sizeof(fields));
+  const auto fields = costFields(mine);
+  std::vector<uint8_t> bytes(sizeof(double) * fields.size());
+  std::memcpy(bytes.data(), fields.data(), bytes.size());
   std::vector<RankCost> costs;
   for (const auto& theirs : comm_.allgatherBytes(bytes)) {
-    HDDP_INTERNAL_ASSERT(theirs.size() == sizeof(fields), "bad seed cost");
-    double f[5];
+    HDDP_INTERNAL_ASSERT(theirs.size() == bytes.size(), "bad seed cost");
+    double f[kRankCostFields];
     std::memcpy(f, theirs.data(), sizeof(f));
-    RankCost c;
-    c.secondsPerSample = f[0];
-    c.fixedSeconds = f[1];
-    c.bytesPerSample = f[2];
-    c.linkBytesPerSecond = f[3];
-    c.transferOverlapped = f[4] > 0.5;
-    costs.push_back(c);
+    costs.push_back(costFromFields(f));
   }
   return costs;
 }

@@ -158,8 +158,7 @@ TEST(Planner, NoisyEstimatesDoNotMoveASettledPlanButARealChangeDoes) {
     }
     return changes;
   };
-  EXPECT_GT(countChanges({}), 5)
-      << "a fixed 2% hysteresis alone chases 8% noise";
+  EXPECT_GT(countChanges({}), 5) << "a fixed 2% hysteresis alone chases 8% noise";
   // With the estimates' standard errors (4%, about that of +-8% uniform noise) the
   // predicted gains stay inside the confidence test and the plan holds.
   EXPECT_EQ(countChanges({0.04, 0.04}), 0);

@@ -12,6 +12,8 @@
 // same inputs gets the same plan (ties go to the lower rank).
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -42,6 +44,12 @@ struct RankCost {
     return fixedSeconds + static_cast<double>(samples) * perSampleSeconds();
   }
 };
+
+/// A cost as 5 numbers (for exchanges and state files): seconds per sample, fixed
+/// seconds, bytes per sample, link bytes/s, copies overlapped (1/0); the cap is apart.
+constexpr size_t kRankCostFields = 5;
+std::array<double, kRankCostFields> costFields(const RankCost& cost);
+RankCost costFromFields(const double* fields);
 
 struct BatchPlan {
   std::vector<int64_t> local;

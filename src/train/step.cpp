@@ -52,7 +52,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
     return false;
   }
   const bool stepped = optimizerStep(batch, clock);
-  const double compute = measureAndReplan(clock);
+  const double compute = measureAndReplan();
   report(batch, info, clock, compute, stepped);
   return true;
 }
@@ -142,7 +142,7 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
 // step), given to the planner, which may re-split the next steps. The step timer hands
 // over the steps it has finished measuring: this one on the host clock, usually the
 // previous one with device events. Returns the newest compute seconds (0: none yet).
-double Trainer::Impl::measureAndReplan(StepClock& clock) {
+double Trainer::Impl::measureAndReplan() {
   const auto& stats = ddp_->lastStepStats();
   for (const auto& bucket : stats.bucketTimes) {
     timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,
@@ -160,7 +160,6 @@ double Trainer::Impl::measureAndReplan(StepClock& clock) {
       // this one as they would for a slower card behind a slower link.
       const auto e0 = Clock::now();
       const double total = emulator_->apply(m.computeSeconds, m.bytes);
-      clock.emulatedSeconds += total - m.computeSeconds;
       m.transferSeconds = emulator_->transferSeconds(m.bytes);
       m.computeSeconds = total - m.transferSeconds;
       m.fixedSeconds = emulator_->stretch(m.fixedSeconds);

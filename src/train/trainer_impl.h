@@ -39,7 +39,6 @@ class Trainer::Impl {
     Clock::time_point forwardEnd;
     Clock::time_point backwardEnd;
     Clock::time_point end;
-    double emulatedSeconds = 0;  // the emulator's extra (slower card or link), slept after `end`
   };
   /// Runs one step; false when it was abandoned (some rank ran out of memory): nothing
   /// was applied, and the loader serves the same samples again under a new split.
@@ -52,7 +51,7 @@ class Trainer::Impl {
   /// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
   bool optimizerStep(const Batch& batch, StepClock& clock);
   /// This rank's compute seconds, given to the planner, which may re-split.
-  double measureAndReplan(StepClock& clock);
+  double measureAndReplan();
   void report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,
               bool stepped);
 

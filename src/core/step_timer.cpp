@@ -86,7 +86,7 @@ class DeviceStepTimer final : public StepTimer {
     if (open_) {
       release(*open_);  // abandoned: never stopped
     }
-    open_ = Marks{label, take(), {}, {}, nullptr};
+    open_ = Marks{label, take(), {}, {}, nullptr, nullptr, nullptr};
     record(*open_->start);
   }
   void beginWait() override {
@@ -99,6 +99,12 @@ class DeviceStepTimer final : public StepTimer {
     if (open_ && open_->waits.size() == open_->waitEnds.size() + 1) {
       open_->waitEnds.push_back(take());
       record(*open_->waitEnds.back());
+    }
+  }
+  void copySpan(std::shared_ptr<c10::Event> start, std::shared_ptr<c10::Event> end) override {
+    if (open_ && start && end) {
+      open_->copyStart = std::move(start);
+      open_->copyEnd = std::move(end);
     }
   }
   void stop() override {
@@ -125,6 +131,11 @@ class DeviceStepTimer final : public StepTimer {
       if (!m.waitEnds.empty()) {
         t.tailSeconds = m.waitEnds.back()->elapsedTime(*m.stop) / 1e3;
       }
+      // The compute stream waited for the copy before the step's first event, so the
+      // copy is complete when the step's stop is.
+      if (m.copyStart && m.copyEnd && m.copyEnd->query()) {
+        t.transferSeconds = m.copyStart->elapsedTime(*m.copyEnd) / 1e3;
+      }
       out.push_back(t);
       release(m);
       pending_.pop_front();
@@ -141,6 +152,8 @@ class DeviceStepTimer final : public StepTimer {
     std::vector<EventPtr> waits;
     std::vector<EventPtr> waitEnds;
     EventPtr stop;
+    std::shared_ptr<c10::Event> copyStart;  // the loader's, on its copy stream
+    std::shared_ptr<c10::Event> copyEnd;
   };
 
   EventPtr take() {
@@ -159,6 +172,8 @@ class DeviceStepTimer final : public StepTimer {
     };
     give(m.start);
     give(m.stop);
+    m.copyStart.reset();
+    m.copyEnd.reset();
     for (auto& e : m.waits) give(e);
     for (auto& e : m.waitEnds) give(e);
   }

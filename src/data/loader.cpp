@@ -330,13 +330,18 @@ class PrefetchLoader::Impl {
     if (!copyStream_) {
       copyStream_ = impl.getStreamFromGlobalPool(options_.device, /*isHighPriority=*/false);
     }
+    // Timing events (BACKEND_DEFAULT): the step timer reads the copy's duration.
+    b.copyStarted =
+        std::make_shared<c10::Event>(options_.device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    b.copyStarted->record(*copyStream_);
     {
       c10::StreamGuard guard(*copyStream_);
       const auto to = at::TensorOptions().device(options_.device);
       b.input = b.input.to(to, /*non_blocking=*/pinned_);
       b.target = b.target.to(to, /*non_blocking=*/pinned_);
     }
-    b.copied = std::make_shared<c10::Event>(options_.device.type());
+    b.copied =
+        std::make_shared<c10::Event>(options_.device.type(), c10::EventFlag::BACKEND_DEFAULT);
     b.copied->record(*copyStream_);
   }
 

@@ -33,6 +33,12 @@ void Reporter::step(const StepReport& r) {
                         {"loss_scale", r.lossScale},
                         {"stepped", r.stepped},
                         {"plan", r.plan}};
+  if (r.transferSeconds > 0) {
+    record["transfer_s"] = r.transferSeconds;
+  }
+  if (r.predictedAllreduceSeconds > 0) {
+    record["allreduce_predicted_s"] = r.predictedAllreduceSeconds;
+  }
   if (!r.newPlan.empty()) {
     record["new_plan"] = r.newPlan;
   }

@@ -30,6 +30,8 @@ struct StepReport {
   double dataWaitSeconds = 0;
   double computeSeconds = 0;  // emulated stretch included
   double commWaitSeconds = 0;
+  double predictedAllreduceSeconds = 0;  // 0: not predicted (no link known)
+  double transferSeconds = 0;            // input copy (device events) or emulated link
   double stepSeconds = 0;
   double loss = 0;
   double lossScale = 1;

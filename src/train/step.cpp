@@ -35,6 +35,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   StepClock clock;
   clock.start = Clock::now();
   timer_->start(StepLabel{step_, batch.share.localBatch, batch.bytes});
+  timer_->copySpan(batch.copyStarted, batch.copied);
   const std::string outOfMemory = forwardAndBackward(batch, clock);
   // Every rank learns whether some rank abandoned the step (read with the last bucket).
   // The results must be readable on the host first: on a CPU device the optimizer reads
@@ -149,27 +150,36 @@ double Trainer::Impl::measureAndReplan() {
                   bucket.bytes);
   }
   double compute = 0.0;
+  double transfer = 0.0;
   for (const StepTiming& timing : timer_->collect()) {
     StepMeasurement m;
     m.samples = timing.label.samples;
     m.bytes = timing.label.bytes;
     m.computeSeconds = timing.computeSeconds();
     m.fixedSeconds = timing.tailSeconds;
+    // The input copy as the copy stream's events timed it (a device rank; 0 on CPU).
+    m.transferSeconds = timing.transferSeconds;
+    double emulatedTransfer = 0.0;
     if (emulator_->active() && m.samples > 0) {
       // Sleeps before the next step's gradients are sent, so the other ranks wait for
       // this one as they would for a slower card behind a slower link.
       const auto e0 = Clock::now();
       const double total = emulator_->apply(m.computeSeconds, m.bytes);
-      m.transferSeconds = emulator_->transferSeconds(m.bytes);
-      m.computeSeconds = total - m.transferSeconds;
+      emulatedTransfer = emulator_->transferSeconds(m.bytes);
+      m.computeSeconds = total - emulatedTransfer;
       m.fixedSeconds = emulator_->stretch(m.fixedSeconds);
+      if (emulatedTransfer > 0) {
+        m.transferSeconds = emulatedTransfer;  // the emulated link replaces the real one
+      }
       timeline_.add("emulated delay", e0, Clock::now(), timing.label.step);
     }
-    compute = m.computeSeconds + m.transferSeconds;
+    compute = m.computeSeconds + emulatedTransfer;
+    transfer = m.transferSeconds;
     if (planner_) {
       planner_->record(m);
     }
   }
+  lastTransferSeconds_ = transfer;
   newPlan_ = false;
   if (planner_) {
     const auto p0 = Clock::now();
@@ -205,6 +215,8 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.dataWaitSeconds = batch.waitSeconds;
   r.computeSeconds = compute;
   r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
+  r.predictedAllreduceSeconds = predictedAllreduceSeconds_;
+  r.transferSeconds = lastTransferSeconds_;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
   r.stepped = stepped;
   r.plan = batch.share.plan.local;

@@ -101,6 +101,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     std::vector<RankCost> seed;
     if (options_.seedPlan) {
       seed = seedCosts(*train, emulation);
+      predictAllreduce(seed);
     }
     planner_ = std::make_unique<BatchPlanner>(
         comm, PlannerOptions(options_.globalBatch, options_.planner), std::move(seed));
@@ -205,6 +206,32 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
     costs.push_back(costFromFields(f));
   }
   return costs;
+}
+
+void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
+  double bytes = 0.0;
+  for (const auto& p : model_->parameters()) {
+    if (p.requires_grad()) {
+      bytes += static_cast<double>(p.numel()) * static_cast<double>(p.element_size());
+    }
+  }
+  double slowest = 0.0;
+  int slowestRank = -1;
+  for (size_t r = 0; r < seed.size(); ++r) {
+    const double link = seed[r].linkBytesPerSecond;
+    if (link > 0 && (slowestRank < 0 || link < slowest)) {
+      slowest = link;
+      slowestRank = static_cast<int>(r);
+    }
+  }
+  predictedAllreduceSeconds_ = ringAllreduceSeconds(bytes, comm_.size(), slowest);
+  if (predictedAllreduceSeconds_ > 0) {
+    HDDP_LOG_INFO("balance", "gradient allreduce: ", bytes / 1e6,
+                  " MB over the slowest link (rank ", slowestRank, ", ", slowest / 1e9,
+                  " GB/s) takes ", predictedAllreduceSeconds_ * 1e3,
+                  " ms per step (ring model); no split changes it, backward hides part of it "
+                  "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");
+  }
 }
 
 void Trainer::Impl::applyGivenMemoryCaps() {

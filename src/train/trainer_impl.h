@@ -62,6 +62,8 @@ class Trainer::Impl {
   double timeForward(const Dataset& data);
   /// Every rank's cost before the first step (TrainerOptions::seedPlan).
   std::vector<RankCost> seedCosts(const Dataset& data, const EmulationOptions& emulation);
+  /// The allreduce term from the seed's links (predictedAllreduceSeconds_), logged.
+  void predictAllreduce(const std::vector<RankCost>& seed);
   /// The user's evaluation, timed; an empty result keeps the last one.
   std::map<std::string, double> evaluate();
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
@@ -97,6 +99,10 @@ class Trainer::Impl {
   DistributedSampler::State samplerState_;
   at::Tensor stepLoss_;   // this step's loss (undefined without samples)
   bool newPlan_ = false;  // the planner changed the plan at the end of this step
+  // The gradients' ring allreduce over the slowest rank's link, predicted from the seed
+  // (0: not predicted): a time per step that no split of the batch changes.
+  double predictedAllreduceSeconds_ = 0;
+  double lastTransferSeconds_ = 0;  // the newest measured input transfer (0: none)
   double epochLossSum_ = 0;
   int64_t epochSamples_ = 0;
   double lastEpochLoss_ = 0;

@@ -158,6 +158,7 @@ TEST(StepTiming, TheSplitFollowsTheLinkFromTheFirstStep) {
   std::vector<std::vector<int64_t>> first(2), last(2);
   std::vector<std::vector<hddp::RankCost>> costs(2);
   std::mutex mutex;
+  const std::string dir = hddp::testing::makeTempDir();
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
     torch::manual_seed(7);
@@ -185,6 +186,7 @@ TEST(StepTiming, TheSplitFollowsTheLinkFromTheFirstStep) {
     o.loader.workers = 1;
     o.planner.calibrationSteps = 4;
     o.planner.rebalanceEvery = 4;
+    o.metricsPath = dir + "/m.jsonl";
     hddp::EmulationOptions link;
     link.linkBytesPerSecond = rank == 1 ? linkBytesPerSecond : 0.0;
     o.emulation = link;
@@ -212,6 +214,111 @@ TEST(StepTiming, TheSplitFollowsTheLinkFromTheFirstStep) {
   EXPECT_NEAR(costs[0][1].linkBytesPerSecond, linkBytesPerSecond, 0.1 * linkBytesPerSecond);
   EXPECT_NEAR(costs[0][1].bytesPerSample, sampleBytes, 16.0);  // + the int64 label
   EXPECT_EQ(costs[0][0].linkBytesPerSecond, 0.0);
+  // The gradients' allreduce over the slowest link (rank 1's), in every step record:
+  // a ring of 2 sends the 4 x 12288 + 4 float gradients once each way.
+  const double gradientBytes = (4.0 * sampleBytes / 4 + 4) * 4;
+  std::ifstream in(dir + "/m.jsonl");
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.find("\"kind\":\"step\"") == std::string::npos) {
+      continue;
+    }
+    const auto at = line.find("\"allreduce_predicted_s\":");
+    ASSERT_NE(at, std::string::npos) << line;
+    EXPECT_NEAR(std::stod(line.substr(at + 24)), gradientBytes / linkBytesPerSecond, 1e-9);
+    ++steps;
+  }
+  EXPECT_EQ(steps, 16);
+}
+
+// What the device timer hands over on a GPU (the input copy timed by events on the
+// loader's copy stream) reproduced on the host: the host timer's timings, each with
+// the transfer a link of `bytesPerSecond` would take for the step's bytes.
+class CopyTimedHostTimer final : public hddp::StepTimer {
+ public:
+  explicit CopyTimedHostTimer(double bytesPerSecond)
+      : host_(hddp::makeHostStepTimer()), bytesPerSecond_(bytesPerSecond) {}
+  void start(const hddp::StepLabel& label) override { host_->start(label); }
+  void beginWait() override { host_->beginWait(); }
+  void endWait() override { host_->endWait(); }
+  void stop() override { host_->stop(); }
+  std::vector<hddp::StepTiming> collect() override {
+    auto out = host_->collect();
+    for (auto& t : out) {
+      t.transferSeconds = bytesPerSecond_ > 0 ? t.label.bytes / bytesPerSecond_ : 0.0;
+    }
+    return out;
+  }
+  const char* describe() const override { return "host clock + copy times"; }
+
+ private:
+  std::unique_ptr<hddp::StepTimer> host_;
+  double bytesPerSecond_;
+};
+
+// No emulation and no link in the seed (CPU ranks): only the timer's copy times tell
+// the Trainer that rank 1's input is slow to arrive. The planner takes the transfer
+// into rank 1's cost and moves the split to what the model predicts for that link;
+// each step's metrics record carries the transfer.
+TEST(StepTiming, MeasuredCopyTimesReachThePlanner) {
+  const double linkBytesPerSecond = 50e6;
+  std::vector<std::vector<int64_t>> last(2);
+  std::vector<std::vector<hddp::RankCost>> costs(2);
+  std::mutex mutex;
+  const std::string dir = hddp::testing::makeTempDir();
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(7);
+    at::set_num_threads(1);
+    torch::nn::Linear model(3 * 64 * 64, 4);
+    auto forward = [&model](const at::Tensor& x) {
+      const int64_t b = x.size(0);
+      std::this_thread::sleep_for(std::chrono::microseconds(100 * b));
+      at::Tensor out = model->forward(x.flatten(1));
+      if (out.requires_grad()) {
+        out.register_hook([b](const at::Tensor& grad) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200 * b));
+          return grad;
+        });
+      }
+      return out;
+    };
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 32;
+    o.maxSteps = 16;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 1;
+    o.planner.calibrationSteps = 4;
+    o.planner.rebalanceEvery = 4;
+    o.metricsPath = dir + "/m.jsonl";
+    o.emulation = hddp::EmulationOptions{};
+    const double link = rank == 1 ? linkBytesPerSecond : 0.0;
+    o.stepTimer = [link](const c10::Device&) { return std::make_unique<CopyTimedHostTimer>(link); };
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(32 * 16, 3, 64, 4);
+    hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
+    EXPECT_NEAR(trainer.plan().local[1], 16, 2);  // the seed knows no link
+    trainer.fit();
+    std::lock_guard<std::mutex> lock(mutex);
+    last[rank] = trainer.planner()->plan().local;
+    costs[rank] = trainer.planner()->costs();
+  });
+  std::vector<hddp::RankCost> model(2);
+  model[0].secondsPerSample = model[1].secondsPerSample = 0.0003;
+  model[1].bytesPerSample = 3 * 64 * 64 * 4;
+  model[1].linkBytesPerSecond = linkBytesPerSecond;
+  const auto predicted = hddp::solveSplit(model, 32).local;  // [26, 6]
+  EXPECT_EQ(last[0], last[1]);
+  EXPECT_NEAR(last[0][1], predicted[1], 2) << describe(last[0]);
+  EXPECT_NEAR(costs[0][1].linkBytesPerSecond, linkBytesPerSecond, 0.1 * linkBytesPerSecond);
+  EXPECT_EQ(costs[0][0].linkBytesPerSecond, 0.0);
+  std::ifstream in(dir + "/m.rank1.jsonl");
+  int withTransfer = 0;
+  for (std::string line; std::getline(in, line);) {
+    withTransfer += line.find("\"kind\":\"step\"") != std::string::npos &&
+                    line.find("\"transfer_s\":") != std::string::npos;
+  }
+  EXPECT_EQ(withTransfer, 16);
 }
 
 TEST(StepTiming, CostOfAProfileUsesTheBestKnownLink) {
@@ -334,7 +441,8 @@ TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_CUDA) {
 }
 
 // The Trainer on one GPU with NCCL times its steps with device events and hands the
-// planner compute times (one step late), with no synchronization added for timing.
+// planner compute times (one step late), with no synchronization added for timing, and
+// the input copies timed by events on the loader's copy stream.
 TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
   SKIP_WITHOUT_CUDA();
   const std::string dir = hddp::testing::makeTempDir();
@@ -358,6 +466,7 @@ TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
   trainer.fit();
   std::ifstream in(dir + "/m.jsonl");
   int withCompute = 0;
+  int withTransfer = 0;
   for (std::string line; std::getline(in, line);) {
     if (line.find("\"kind\":\"step\"") == std::string::npos) {
       continue;
@@ -365,8 +474,12 @@ TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
     const auto at = line.find("\"compute_s\":");
     ASSERT_NE(at, std::string::npos) << line;
     withCompute += std::stod(line.substr(at + 12)) > 0 ? 1 : 0;
+    // The input copy, timed by the loader's events on its copy stream.
+    const auto copy = line.find("\"transfer_s\":");
+    withTransfer += copy != std::string::npos && std::stod(line.substr(copy + 13)) > 0 ? 1 : 0;
   }
-  EXPECT_GE(withCompute, 10);  // every step but the first (read one step late)
+  EXPECT_GE(withCompute, 10);   // every step but the first (read one step late)
+  EXPECT_GE(withTransfer, 10);  // likewise
 }
 
 }  // namespace

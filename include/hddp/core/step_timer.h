@@ -19,6 +19,10 @@
 #include <memory>
 #include <vector>
 
+namespace c10 {
+struct Event;
+}
+
 namespace hddp {
 
 /// What a step was (given to start(), handed back with its timing).
@@ -38,6 +42,9 @@ struct StepTiming {
   /// From the end of the last wait to stop(): in a training step the optimizer step,
   /// whose cost does not grow with the batch. 0 when the step had no wait.
   double tailSeconds = 0.0;
+  /// The input's copy to the device, timed by events on the loader's copy stream
+  /// (copySpan()); 0 when not measured (CPU ranks, no copy events given).
+  double transferSeconds = 0.0;
   double computeSeconds() const {
     return totalSeconds > waitSeconds ? totalSeconds - waitSeconds : 0.0;
   }
@@ -50,6 +57,11 @@ class StepTimer {
   virtual void start(const StepLabel& label) = 0;
   virtual void beginWait() = 0;
   virtual void endWait() = 0;
+  /// The open step's input copy: events recorded on the copy stream before and after
+  /// it (timing enabled). The device timer reads their interval with the step's other
+  /// events; the host timer has no use for them.
+  virtual void copySpan(std::shared_ptr<c10::Event> /*start*/,
+                        std::shared_ptr<c10::Event> /*end*/) {}
   /// Closes the step opened by start().
   virtual void stop() = 0;
   /// The timings of closed steps whose measurements are complete, oldest first, each

@@ -62,7 +62,9 @@ struct Batch {
   int64_t bytes = 0;
   /// Seconds next() blocked waiting for this batch (~0 when prefetch keeps up).
   double waitSeconds = 0;
-  /// Recorded on the copy stream after the host-to-device copy (CUDA only; tests).
+  /// Recorded on the copy stream before and after the host-to-device copy (on a
+  /// device only), timing enabled: the step timer reads the copy's duration from them.
+  std::shared_ptr<c10::Event> copyStarted;
   std::shared_ptr<c10::Event> copied;
 };
 

@@ -125,11 +125,12 @@ void Emulator::checkMemory(int64_t samples) const {
   }
 }
 
-double Emulator::apply(double computeSeconds, int64_t bytesMoved) {
+double Emulator::apply(double computeSeconds, int64_t bytesMoved, double queuedSeconds) {
   if (!options_.active()) {
     return computeSeconds;
   }
-  double extra = (options_.slowdown - 1.0) * computeSeconds;
+  const double own = std::max(0.0, computeSeconds - std::max(0.0, queuedSeconds));
+  double extra = (options_.slowdown - 1.0) * own;
   if (options_.linkBytesPerSecond > 0 && bytesMoved > 0) {
     extra += static_cast<double>(bytesMoved) / options_.linkBytesPerSecond;
   }

@@ -93,33 +93,10 @@ struct Fit {
   double fixed = 0.0;
 };
 
-Fit fitCompute(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to) {
+// The fixed part as measured (the steps' tails, e.g. the optimizer step), the rest per
+// sample: a 20%-trimmed mean.
+Fit proportionalFit(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to) {
   Fit fit;
-  double lo = std::numeric_limits<double>::max();
-  double hi = 0.0;
-  for (size_t i = from; i < to; ++i) {
-    lo = std::min(lo, w[i].samples);
-    hi = std::max(hi, w[i].samples);
-  }
-  if (to > from + 1 && hi >= 1.25 * lo) {
-    std::vector<double> slopes;
-    for (size_t i = from; i < to; ++i) {
-      for (size_t j = i + 1; j < to; ++j) {
-        if (w[i].samples != w[j].samples) {
-          slopes.push_back((w[j].compute - w[i].compute) / (w[j].samples - w[i].samples));
-        }
-      }
-    }
-    fit.perSample = median(slopes);
-    if (fit.perSample > 0) {
-      std::vector<double> intercepts;
-      for (size_t i = from; i < to; ++i) {
-        intercepts.push_back(w[i].compute - fit.perSample * w[i].samples);
-      }
-      fit.fixed = std::max(0.0, median(intercepts));
-      return fit;
-    }
-  }
   std::vector<double> fixed;
   std::vector<double> perSample;
   for (size_t i = from; i < to; ++i) {
@@ -133,6 +110,57 @@ Fit fitCompute(const std::deque<RankEstimator::Sample>& w, size_t from, size_t t
   return fit;
 }
 
+double ratioSpread(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to,
+                   const Fit& fit);
+
+// When the window holds steps of clearly different sizes, interleaved in time, a
+// Theil-Sen line (median of pairwise slopes, median intercept) can find a per-step
+// overhead that the measured tail does not hold. It replaces the proportional fit only
+// when it also explains the steps markedly better (their scatter around it at most 2/3
+// of that around the proportional fit). One plan change is not enough: the steps before
+// it and after it form two clusters in time, a line passes through both, and a change
+// of the machine's load between them (on shared cores the split itself changes it)
+// would read as a large overhead and a small per-sample cost, and the next plan
+// overshoots (seen in bench/hetero_compare.py: 25 -> 48 -> 73 -> 61 -> 48).
+Fit fitCompute(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to) {
+  const Fit proportional = proportionalFit(w, from, to);
+  double lo = std::numeric_limits<double>::max();
+  double hi = 0.0;
+  for (size_t i = from; i < to; ++i) {
+    lo = std::min(lo, w[i].samples);
+    hi = std::max(hi, w[i].samples);
+  }
+  // Sizes that went back and forth (at least 3 changes along the window), so that a
+  // change of the machine's speed over time is not read as a function of the size.
+  int changes = 0;
+  for (size_t i = from + 1; i < to; ++i) {
+    changes += w[i].samples != w[i - 1].samples ? 1 : 0;
+  }
+  if (changes >= 3 && hi >= 1.25 * lo) {
+    std::vector<double> slopes;
+    for (size_t i = from; i < to; ++i) {
+      for (size_t j = i + 1; j < to; ++j) {
+        if (w[i].samples != w[j].samples) {
+          slopes.push_back((w[j].compute - w[i].compute) / (w[j].samples - w[i].samples));
+        }
+      }
+    }
+    Fit line;
+    line.perSample = median(slopes);
+    if (line.perSample > 0) {
+      std::vector<double> intercepts;
+      for (size_t i = from; i < to; ++i) {
+        intercepts.push_back(w[i].compute - line.perSample * w[i].samples);
+      }
+      line.fixed = std::max(0.0, median(intercepts));
+      if (ratioSpread(w, from, to, line) <= (2.0 / 3.0) * ratioSpread(w, from, to, proportional)) {
+        return line;
+      }
+    }
+  }
+  return proportional;
+}
+
 // Measured time over the fit's prediction, per step (1 = as predicted).
 std::vector<double> ratios(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to,
                            const Fit& fit) {
@@ -142,6 +170,11 @@ std::vector<double> ratios(const std::deque<RankEstimator::Sample>& w, size_t fr
     out.push_back(predicted > 0 ? w[i].compute / predicted : 1.0);
   }
   return out;
+}
+
+double ratioSpread(const std::deque<RankEstimator::Sample>& w, size_t from, size_t to,
+                   const Fit& fit) {
+  return trimmedSpread(ratios(w, from, to, fit));
 }
 
 std::vector<double> transferPerSample(const std::deque<RankEstimator::Sample>& w, size_t from,

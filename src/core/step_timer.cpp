@@ -3,7 +3,9 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <optional>
 #include <string>
@@ -21,6 +23,7 @@ class HostStepTimer final : public StepTimer {
     open_ = true;
     label_ = label;
     start_ = Clock::now();
+    queuedAtStart_ = threadQueuedSeconds();
     wait_ = 0.0;
     waiting_ = false;
     waited_ = false;
@@ -51,6 +54,10 @@ class HostStepTimer final : public StepTimer {
     t.totalSeconds = std::chrono::duration<double>(now - start_).count();
     t.waitSeconds = wait_;
     t.tailSeconds = waited_ ? std::chrono::duration<double>(now - lastWaitEnd_).count() : 0.0;
+    const double queued = threadQueuedSeconds();
+    if (queued >= 0 && queuedAtStart_ >= 0) {
+      t.queuedSeconds = std::min(std::max(0.0, queued - queuedAtStart_), t.computeSeconds());
+    }
     done_.push_back(t);
   }
   std::vector<StepTiming> collect() override {
@@ -68,6 +75,7 @@ class HostStepTimer final : public StepTimer {
   Clock::time_point start_;
   Clock::time_point waitStart_;
   Clock::time_point lastWaitEnd_;
+  double queuedAtStart_ = -1.0;
   double wait_ = 0.0;
   std::deque<StepTiming> done_;
 };
@@ -188,6 +196,19 @@ class DeviceStepTimer final : public StepTimer {
 };
 
 }  // namespace
+
+double threadQueuedSeconds() {
+  // "time on the cpu, time waiting on a runqueue, timeslices", in nanoseconds.
+  std::FILE* f = std::fopen("/proc/thread-self/schedstat", "r");
+  if (f == nullptr) {
+    return -1.0;
+  }
+  unsigned long long running = 0;
+  unsigned long long waiting = 0;
+  const int n = std::fscanf(f, "%llu %llu", &running, &waiting);
+  std::fclose(f);
+  return n == 2 ? static_cast<double>(waiting) / 1e9 : -1.0;
+}
 
 std::unique_ptr<StepTimer> makeHostStepTimer() { return std::make_unique<HostStepTimer>(); }
 

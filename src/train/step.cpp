@@ -164,7 +164,7 @@ double Trainer::Impl::measureAndReplan() {
       // Sleeps before the next step's gradients are sent, so the other ranks wait for
       // this one as they would for a slower card behind a slower link.
       const auto e0 = Clock::now();
-      const double total = emulator_->apply(m.computeSeconds, m.bytes);
+      const double total = emulator_->apply(m.computeSeconds, m.bytes, timing.queuedSeconds);
       emulatedTransfer = emulator_->transferSeconds(m.bytes);
       m.computeSeconds = total - emulatedTransfer;
       m.fixedSeconds = emulator_->stretch(m.fixedSeconds);

@@ -455,6 +455,11 @@ TEST(Emulation, ParsesPerRankValuesAndStretchesTime) {
   EXPECT_TRUE(em.active());
   EXPECT_DOUBLE_EQ(em.apply(0.5, 2'000'000'000), 0.5 * 3.0 + 2.0);
   EXPECT_DOUBLE_EQ(slept, 1.0 + 2.0);
+  // Time spent waiting for a core (other ranks on the same cores) is not stretched:
+  // 0.2 of the 0.5 s queued, the other 0.3 s computed 3x slower.
+  slept = 0;
+  EXPECT_DOUBLE_EQ(em.apply(0.5, 0, 0.2), 0.5 + 2.0 * 0.3);
+  EXPECT_DOUBLE_EQ(slept, 2.0 * 0.3);
   hddp::Emulator off(hddp::EmulationOptions{}, 0,
                      [&](std::chrono::duration<double>) { FAIL() << "slept while off"; });
   EXPECT_FALSE(off.active());

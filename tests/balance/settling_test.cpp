@@ -203,4 +203,24 @@ TEST(Settling, EstimatorSeparatesAPerStepOverheadFromThePerSampleCost) {
   EXPECT_NEAR(est.fixedSeconds, 0.010, 1e-9);
 }
 
+// One plan change: 6 steps of 25 samples, then 6 of 48 during which the shared machine
+// ran 20% faster (+-15% noise in both, too much for a level shift to show). The size changed once, in step with the load, so
+// no per-step overhead can be told from it: the estimate stays proportional, between the
+// two speeds. A line through the two clusters would read 10 ms of overhead and 0.58 ms
+// per sample, and the planner would give this rank far too much next (an overshoot).
+TEST(Settling, OnePlanChangeIsNotReadAsAPerStepOverhead) {
+  hddp::RankEstimator e(20, 3.0, 10);
+  const double noise[] = {1.0, 1.15, 0.85, 1.1, 0.9, 1.0};
+  for (int i = 0; i < 12; ++i) {
+    hddp::StepMeasurement m;
+    m.samples = i < 6 ? 25 : 48;
+    m.computeSeconds = (i < 6 ? 0.001 : 0.0008) * static_cast<double>(m.samples) * noise[i % 6];
+    e.record(m);
+  }
+  const auto est = e.estimate();
+  EXPECT_GT(est.secondsPerSample, 0.00078);
+  EXPECT_LT(est.secondsPerSample, 0.00102);
+  EXPECT_LT(est.fixedSeconds, 0.002);
+}
+
 }  // namespace

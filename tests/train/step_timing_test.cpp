@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -381,6 +382,42 @@ TEST(StepTiming, HostTimerLeavesWaitSpansOut) {
   const auto next = timer->collect();
   ASSERT_EQ(next.size(), 1u);
   EXPECT_EQ(next[0].label.step, 5);
+}
+
+// More spinning threads than cores: the timed thread, spinning too, waits in the run
+// queue for a good part of its step, and the host timer says how long (what the
+// emulator leaves unstretched). Alone, it barely waits.
+TEST(StepTiming, HostTimerMeasuresTimeWithoutACore) {
+  if (hddp::threadQueuedSeconds() < 0) {
+    GTEST_SKIP() << "no /proc/thread-self/schedstat here";
+  }
+  auto spin = [](double seconds) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    while (std::chrono::steady_clock::now() < end) {
+    }
+  };
+  auto timer = hddp::makeHostStepTimer();
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> others;
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  for (unsigned i = 0; i < cores; ++i) {
+    others.emplace_back([&] {
+      while (!stop.load()) {
+      }
+    });
+  }
+  timer->start({1, 1, 0});
+  spin(0.4);
+  timer->stop();
+  stop = true;
+  for (auto& t : others) {
+    t.join();
+  }
+  const auto t = timer->collect();
+  ASSERT_EQ(t.size(), 1u);
+  // cores + 1 spinning threads on `cores` cores: about 1/(cores + 1) of the time queued.
+  EXPECT_GT(t[0].queuedSeconds, 0.25 / (cores + 1) * t[0].totalSeconds) << t[0].totalSeconds;
+  EXPECT_LE(t[0].queuedSeconds, t[0].computeSeconds());
 }
 
 TEST(StepTiming, DeviceTimerRefusesTheCpu) {

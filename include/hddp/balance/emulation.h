@@ -57,7 +57,11 @@ class Emulator {
   bool active() const { return options_.active(); }
   /// After a step that computed for `computeSeconds` and moved `bytesMoved` input
   /// bytes: sleeps the emulated extra time and returns the emulated compute seconds.
-  double apply(double computeSeconds, int64_t bytesMoved);
+  /// `queuedSeconds` of the compute were spent ready to run with no core free (ranks
+  /// sharing a machine's cores, StepTiming::queuedSeconds): they are not stretched, as
+  /// a slower card would not wait for the host's cores any longer, and stretching them
+  /// made a slow rank's emulated time grow with the load of the ranks beside it.
+  double apply(double computeSeconds, int64_t bytesMoved, double queuedSeconds = 0.0);
   /// `seconds` of compute as the emulated card takes them (no sleep).
   double stretch(double seconds) const { return seconds * options_.slowdown; }
   /// Seconds `bytes` of input take over the emulated link (0 without one).

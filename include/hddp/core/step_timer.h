@@ -45,6 +45,9 @@ struct StepTiming {
   /// The input's copy to the device, timed by events on the loader's copy stream
   /// (copySpan()); 0 when not measured (CPU ranks, no copy events given).
   double transferSeconds = 0.0;
+  /// Of the step, the time the timing thread was ready to run but had no core (Linux
+  /// schedstat: other processes on the same cores); 0 when unknown or on a device.
+  double queuedSeconds = 0.0;
   double computeSeconds() const {
     return totalSeconds > waitSeconds ? totalSeconds - waitSeconds : 0.0;
   }
@@ -72,12 +75,17 @@ class StepTimer {
   virtual const char* describe() const = 0;
 };
 
-/// Host clock at each mark (CPU ranks, Gloo).
+/// Host clock at each mark (CPU ranks, Gloo); also the calling thread's time in the
+/// run queue over the step (start() and stop() from the same thread).
 std::unique_ptr<StepTimer> makeHostStepTimer();
 /// Events on `device`'s current stream at each mark (timing events, c10::Event with
 /// EventFlag::BACKEND_DEFAULT). Throws hddp::ConfigError for a CPU device.
 std::unique_ptr<StepTimer> makeDeviceStepTimer(const c10::Device& device);
 /// The host timer for a CPU device, the device timer otherwise.
 std::unique_ptr<StepTimer> makeStepTimer(const c10::Device& device);
+
+/// Seconds the calling thread has spent ready to run without a core since it started
+/// (/proc/thread-self/schedstat); a negative value where the kernel does not say.
+double threadQueuedSeconds();
 
 }  // namespace hddp

@@ -20,6 +20,9 @@ the shared cores lose (3 processes on 2 cores slow each other).
 
   bench/trainer_compare.py --build build --scenario speed [--steps 100]
   bench/trainer_compare.py --build build --scenario link [--gbps 2.8]
+  bench/trainer_compare.py --build build --scenario speed --sync-bn   (SyncBatchNorm: the
+         fast ranks block in its collectives inside forward; the planner must still see
+         each rank's own speed)
 """
 import argparse
 import json
@@ -88,6 +91,7 @@ def main():
     p.add_argument("--gbps", type=float, default=2.8, help="link: rank 1's emulated input link, GB/s")
     p.add_argument("--image-size", type=int, default=224, help="link: input side in pixels")
     p.add_argument("--model", default=None, help="train_resnet --model (default: resnet20 for speed, resnet18 for link)")
+    p.add_argument("--sync-bn", action="store_true", help="train_resnet --sync-bn (SyncBatchNorm's collectives in forward)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,14 +103,15 @@ def main():
             extra = ["--emulate-link-gbps", f"1:{a.gbps:g}", "--image-size", str(a.image_size),
                      "--channels", "3"]
         extra += ["--model", a.model or ("resnet20" if a.scenario == "speed" else "resnet18")]
+        extra += ["--sync-bn"] if a.sync_bn else []
         equal = run(a, world, "equal", extra, tmp)
         planner = run(a, world, "planner", extra, tmp)
     B = a.global_batch
     ratio = planner["samples_per_s"] / equal["samples_per_s"]
-    out = {"scenario": a.scenario, "steps": a.steps, "skip": a.skip, "global_batch": B,
+    out = {"scenario": a.scenario, "sync_bn": a.sync_bn, "steps": a.steps, "skip": a.skip, "global_batch": B,
            "equal": equal, "planner": planner, "planner_over_equal": ratio}
     print(f"train_resnet, {world} CPU ranks, 1 thread each, synthetic data, global batch {B}, "
-          f"{a.steps} steps (figures over steps > {a.skip})")
+          f"{a.steps} steps (figures over steps > {a.skip}){', SyncBatchNorm' if a.sync_bn else ''}")
     for r in (equal, planner):
         print(f"  {r['mode']:8s} {r['samples_per_s']:7.1f} samples/s, final split {r['final_split']}, "
               f"ranks' own speed {['%.1f' % x for x in r['own_samples_per_s']]} samples/s "

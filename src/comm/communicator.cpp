@@ -287,6 +287,7 @@ class C10dCommunicator final : public Communicator {
   Work completed(const std::string& what) {
     auto impl = std::make_unique<WorkAccess::Impl>();
     impl->description = what;
+    impl->waitTimer = waitTimer();
     return WorkAccess::make(std::move(impl));
   }
 
@@ -294,6 +295,7 @@ class C10dCommunicator final : public Communicator {
   PendingWork launch(const std::string& what, Launch&& fn) {
     auto impl = std::make_unique<WorkAccess::Impl>();
     impl->description = what;
+    impl->waitTimer = waitTimer();
     try {
       // c10d's FlightRecorder (torch 2.11) updates a process-wide map before taking its
       // own lock when a collective is enqueued; launches from several communicators on

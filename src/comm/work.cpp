@@ -5,6 +5,29 @@
 #include "hddp/core/error.h"
 
 namespace hddp {
+namespace {
+
+// The span of a wait on the communicator's step timer, closed on every way out.
+class WaitSpan {
+ public:
+  explicit WaitSpan(StepTimer* timer) : timer_(timer) {
+    if (timer_) {
+      timer_->beginWait();
+    }
+  }
+  ~WaitSpan() {
+    if (timer_) {
+      timer_->endWait();
+    }
+  }
+  WaitSpan(const WaitSpan&) = delete;
+  WaitSpan& operator=(const WaitSpan&) = delete;
+
+ private:
+  StepTimer* timer_;
+};
+
+}  // namespace
 
 Work::Work() : impl_(std::make_unique<Impl>()) { impl_->description = "no-op"; }
 Work::Work(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -23,6 +46,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
     return;
   }
   if (impl_->work) {
+    WaitSpan span(impl_->waitTimer);
     try {
       impl_->work->wait(timeout.count() > 0 ? timeout : std::chrono::milliseconds(0));
     } catch (...) {
@@ -42,6 +66,7 @@ void Work::synchronize() {
     return;
   }
   if (impl_->work) {
+    WaitSpan span(impl_->waitTimer);
     try {
       impl_->work->synchronize();
     } catch (...) {

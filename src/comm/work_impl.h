@@ -5,6 +5,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "hddp/comm/work.h"
+#include "hddp/core/step_timer.h"
 
 namespace hddp {
 
@@ -15,6 +16,8 @@ struct Work::Impl {
   std::function<void()> onComplete;
   std::string description;
   bool finished = false;
+  /// Marks wait() and synchronize() as waiting (Communicator::setWaitTimer).
+  StepTimer* waitTimer = nullptr;
 };
 
 /// How the communicator's implementation builds a Work and edits it before handing it out.

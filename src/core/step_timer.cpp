@@ -25,18 +25,18 @@ class HostStepTimer final : public StepTimer {
     start_ = Clock::now();
     queuedAtStart_ = threadQueuedSeconds();
     wait_ = 0.0;
-    waiting_ = false;
+    depth_ = 0;
     waited_ = false;
   }
+  // Nested spans (DDP's wait for all buckets around each bucket's Work::wait()) count
+  // once: the outermost.
   void beginWait() override {
-    if (open_ && !waiting_) {
-      waiting_ = true;
+    if (open_ && depth_++ == 0) {
       waitStart_ = Clock::now();
     }
   }
   void endWait() override {
-    if (open_ && waiting_) {
-      waiting_ = false;
+    if (open_ && depth_ > 0 && --depth_ == 0) {
       lastWaitEnd_ = Clock::now();
       waited_ = true;
       wait_ += std::chrono::duration<double>(lastWaitEnd_ - waitStart_).count();
@@ -46,7 +46,10 @@ class HostStepTimer final : public StepTimer {
     if (!open_) {
       return;
     }
-    endWait();
+    if (depth_ > 0) {
+      depth_ = 1;
+      endWait();
+    }
     open_ = false;
     const auto now = Clock::now();
     StepTiming t;
@@ -69,7 +72,7 @@ class HostStepTimer final : public StepTimer {
 
  private:
   bool open_ = false;
-  bool waiting_ = false;
+  int depth_ = 0;  // open wait spans
   bool waited_ = false;
   StepLabel label_;
   Clock::time_point start_;
@@ -95,16 +98,17 @@ class DeviceStepTimer final : public StepTimer {
       release(*open_);  // abandoned: never stopped
     }
     open_ = Marks{label, take(), {}, {}, nullptr, nullptr, nullptr};
+    depth_ = 0;
     record(*open_->start);
   }
   void beginWait() override {
-    if (open_ && open_->waits.size() == open_->waitEnds.size()) {
+    if (open_ && depth_++ == 0) {
       open_->waits.push_back(take());
       record(*open_->waits.back());
     }
   }
   void endWait() override {
-    if (open_ && open_->waits.size() == open_->waitEnds.size() + 1) {
+    if (open_ && depth_ > 0 && --depth_ == 0) {
       open_->waitEnds.push_back(take());
       record(*open_->waitEnds.back());
     }
@@ -119,7 +123,10 @@ class DeviceStepTimer final : public StepTimer {
     if (!open_) {
       return;
     }
-    endWait();
+    if (depth_ > 0) {
+      depth_ = 1;
+      endWait();
+    }
     open_->stop = take();
     record(*open_->stop);
     pending_.push_back(std::move(*open_));
@@ -191,6 +198,7 @@ class DeviceStepTimer final : public StepTimer {
   c10::impl::VirtualGuardImpl guard_;
   std::string name_;
   std::optional<Marks> open_;
+  int depth_ = 0;  // open wait spans; nested ones count once
   std::deque<Marks> pending_;
   std::vector<EventPtr> free_;
 };

@@ -120,6 +120,9 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
   HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
   ddp_->setStepTimer(timer_.get());
+  // Every collective's wait in a step is waiting, not compute: SyncBatchNorm's in
+  // forward and backward, a user's own, DDP's buckets.
+  comm_.setWaitTimer(timer_.get());
   HDDP_LOG_INFO("train", "rank ", rank, "/", comm.size(), " on ", device_.str(), ": ",
                 loader_->dataset().describe(), "; global batch ", options_.globalBatch, ", ",
                 options_.epochs, " epochs, amp ", ampModeName(options_.amp), ", ",
@@ -130,6 +133,9 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
 
 Trainer::Impl::~Impl() {
   ddp_->setStepTimer(nullptr);
+  if (comm_.waitTimer() == timer_.get()) {
+    comm_.setWaitTimer(nullptr);
+  }
   try {
     loader_->stop();
   } catch (...) {

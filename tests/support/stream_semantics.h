@@ -40,6 +40,10 @@ class StreamSemanticsCommunicator final : public Communicator {
   Backend backend() const override { return inner_->backend(); }
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
   c10::Device device() const override { return inner_->device(); }
+  void setWaitTimer(StepTimer* timer) override {
+    Communicator::setWaitTimer(timer);
+    inner_->setWaitTimer(timer);
+  }
 
   Work allreduce(at::Tensor& tensor, const AllreduceOptions& options = {}) override {
     return defer(inner_->allreduce(tensor, options));
@@ -112,6 +116,7 @@ class StreamSemanticsCommunicator final : public Communicator {
     impl->work =
         c10::make_intrusive<DeferredWork>(WorkAccess::impl(inner)->work, &deferredCompletions_);
     impl->description = inner.description() + " (deferred to synchronize())";
+    impl->waitTimer = waitTimer();
     pending_.push_back(std::move(inner));
     return WorkAccess::make(std::move(impl));
   }

@@ -19,6 +19,7 @@
 #include "hddp/core/error.h"
 #include "hddp/core/step_timer.h"
 #include "hddp/data/datasets.h"
+#include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/trainer.h"
 #include "support/ranks.h"
 #include "support/stream_semantics.h"
@@ -50,15 +51,17 @@ class HostTimeToStatusRead final : public hddp::StepTimer {
   HostTimeToStatusRead() : host_(hddp::makeHostStepTimer()) {}
   void start(const hddp::StepLabel& label) override {
     spans_ = 0;
+    depth_ = 0;
     host_->start(label);
   }
+  // The first outermost span only (DDP's, with its buckets' waits nested in it).
   void beginWait() override {
-    if (spans_ == 0) {
+    if (depth_++ == 0 && spans_ == 0) {
       host_->beginWait();
     }
   }
   void endWait() override {
-    if (spans_++ == 0) {
+    if (depth_ > 0 && --depth_ == 0 && spans_++ == 0) {
       host_->endWait();
     }
   }
@@ -69,6 +72,7 @@ class HostTimeToStatusRead final : public hddp::StepTimer {
  private:
   std::unique_ptr<hddp::StepTimer> host_;
   int spans_ = 0;
+  int depth_ = 0;
 };
 
 struct Run {
@@ -320,6 +324,89 @@ TEST(StepTiming, MeasuredCopyTimesReachThePlanner) {
                     line.find("\"transfer_s\":") != std::string::npos;
   }
   EXPECT_EQ(withTransfer, 16);
+}
+
+// A communicator given a step timer marks every Work's wait() on it: the time rank 0
+// blocks for a late rank 1 is waiting; without a timer given, nothing is marked.
+TEST(StepTiming, CommunicatorMarksEveryWaitOnItsTimer) {
+  std::vector<hddp::StepTiming> timings(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto timer = hddp::makeHostStepTimer();
+    for (bool given : {true, false}) {
+      comm->setWaitTimer(given ? timer.get() : nullptr);
+      timer->start({given ? 1 : 2, 1, 0});
+      if (rank == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      at::Tensor t = torch::ones({4});
+      comm->allreduce(t).wait();
+      timer->stop();
+      const auto done = timer->collect();
+      ASSERT_EQ(done.size(), 1u);
+      if (rank == 0) {
+        timings[given ? 0 : 1] = done[0];
+      }
+    }
+    comm->setWaitTimer(nullptr);
+  });
+  EXPECT_GE(timings[0].waitSeconds, 0.08);
+  EXPECT_LT(timings[0].computeSeconds(), 0.05);
+  EXPECT_EQ(timings[1].waitSeconds, 0.0);
+  EXPECT_GE(timings[1].computeSeconds(), 0.08);
+}
+
+// The MLP with SyncBatchNorm between its layers, 0.5 ms of forward per sample (a sleep).
+struct BnMlpImpl : torch::nn::Module {
+  BnMlpImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(64, 32));
+    bn = register_module("bn", hddp::SyncBatchNorm(32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    std::this_thread::sleep_for(std::chrono::microseconds(500 * x.size(0)));
+    return fc2->forward(torch::relu(bn->forward(fc1->forward(x.flatten(1)))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  hddp::SyncBatchNorm bn{nullptr};
+};
+TORCH_MODULE(BnMlp);
+
+// SyncBatchNorm's collectives run inside forward and backward: the fast rank blocks in
+// them until the slow rank arrives. Those waits are waiting, not compute (every Work
+// of the Trainer's communicator marks its wait on the step timer), so the calibration
+// finds the compute-only split: rank 1 emulated 30x slower, [15, 1] of 16 (SyncBatchNorm
+// keeps one sample on every rank). Counted as compute, the waits made both ranks
+// measure about the same step and the split stayed near [9, 7].
+TEST(StepTiming, PlannerSeesThroughSyncBatchNormWaits) {
+  std::vector<std::vector<int64_t>> last(2);
+  std::mutex mutex;
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(3);
+    at::set_num_threads(1);
+    BnMlp model;
+    hddp::convertSyncBatchNorm(*model, *comm);  // attaches the communicator
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 16;
+    o.maxSteps = 9;
+    o.progress = hddp::ProgressMode::Off;
+    o.seedPlan = false;  // the calibration, from measured steps, must find the split
+    o.planner.calibrationSteps = 3;
+    o.planner.rebalanceEvery = 3;
+    hddp::EmulationOptions slow;
+    slow.slowdown = rank == 1 ? 30.0 : 1.0;
+    o.emulation = slow;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(16 * 9, 64, 1, 4);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    trainer.fit();
+    std::lock_guard<std::mutex> lock(mutex);
+    last[rank] = trainer.planner()->plan().local;
+  });
+  EXPECT_EQ(last[0], last[1]);
+  EXPECT_EQ(last[0], (std::vector<int64_t>{15, 1})) << describe(last[0]);
 }
 
 TEST(StepTiming, CostOfAProfileUsesTheBestKnownLink) {

@@ -23,6 +23,8 @@
 
 namespace hddp {
 
+class StepTimer;
+
 enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduceOpName(ReduceOp op) noexcept;
 
@@ -93,9 +95,21 @@ class Communicator {
   /// current stream.
   virtual void synchronize() {}
 
+  /// Every Work this communicator hands out from now on marks its wait() and
+  /// synchronize() as waiting on `timer` (StepTimer::beginWait/endWait; nullptr: none):
+  /// DDP's buckets, SyncBatchNorm's statistics, a user's own collective. The planner
+  /// then counts the time a rank blocks for the others as waiting, not compute, on Gloo
+  /// (the host blocks) and on NCCL (the stream waits; the device timer's events fall
+  /// around that wait). The timer must outlive the Works, or be reset first.
+  virtual void setWaitTimer(StepTimer* timer) { waitTimer_ = timer; }
+  StepTimer* waitTimer() const { return waitTimer_; }
+
   /// Gathers a variable-size byte blob from every rank (e.g. measured step times).
   /// Blocking: two collectives (sizes, then padded payloads).
   std::vector<std::vector<uint8_t>> allgatherBytes(const std::vector<uint8_t>& mine);
+
+ private:
+  StepTimer* waitTimer_ = nullptr;
 };
 
 /// Creates the communicator of `rank` in a group of `size` ranks meeting at `store`.

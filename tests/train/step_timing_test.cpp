@@ -153,6 +153,37 @@ TEST(StepTiming, HostTimeToTheStatusReadLeavesTheSplitNearEqual) {
   EXPECT_LT(runs[0].plan[0], 42) << describe(runs[0].plan);
 }
 
+// The link tests' model: a linear layer with 0.3 ms of compute per sample, a third in
+// forward and two thirds in backward (as the seed's timed forward assumes): sleeps, so
+// the shared CPU does not disturb it.
+auto sleepingLinearForward(torch::nn::Linear model) {
+  return [model](const at::Tensor& x) mutable {
+    const int64_t b = x.size(0);
+    std::this_thread::sleep_for(std::chrono::microseconds(100 * b));
+    at::Tensor out = model->forward(x.flatten(1));
+    if (out.requires_grad()) {
+      out.register_hook([b](const at::Tensor& grad) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200 * b));
+        return grad;
+      });
+    }
+    return out;
+  };
+}
+
+// The link tests' job: 32 samples a step for 16 steps, a plan every 4, metrics in `dir`.
+hddp::TrainerOptions linkJobOptions(const std::string& dir) {
+  hddp::TrainerOptions o;
+  o.globalBatch = 32;
+  o.maxSteps = 16;
+  o.progress = hddp::ProgressMode::Off;
+  o.loader.workers = 1;
+  o.planner.calibrationSteps = 4;
+  o.planner.rebalanceEvery = 4;
+  o.metricsPath = dir + "/m.jsonl";
+  return o;
+}
+
 // Equal compute, rank 1's input link emulated at 50 MB/s: its 48 KiB samples take
 // ~1 ms each over the link besides 0.3 ms of compute, so the split follows the link
 // ([26, 6] of 32 by the model) and not the compute alone ([16, 16]). The seed already
@@ -169,29 +200,9 @@ TEST(StepTiming, TheSplitFollowsTheLinkFromTheFirstStep) {
     torch::manual_seed(7);
     at::set_num_threads(1);
     torch::nn::Linear model(3 * 64 * 64, 4);
-    // 0.3 ms of compute per sample, a third in forward and two thirds in backward (as
-    // the seed's timed forward assumes): sleeps, so the shared CPU does not disturb it.
-    auto forward = [&model](const at::Tensor& x) {
-      const int64_t b = x.size(0);
-      std::this_thread::sleep_for(std::chrono::microseconds(100 * b));
-      at::Tensor out = model->forward(x.flatten(1));
-      if (out.requires_grad()) {
-        out.register_hook([b](const at::Tensor& grad) {
-          std::this_thread::sleep_for(std::chrono::microseconds(200 * b));
-          return grad;
-        });
-      }
-      return out;
-    };
+    const auto forward = sleepingLinearForward(model);
     torch::optim::SGD opt(model->parameters(), 0.01);
-    hddp::TrainerOptions o;
-    o.globalBatch = 32;
-    o.maxSteps = 16;
-    o.progress = hddp::ProgressMode::Off;
-    o.loader.workers = 1;
-    o.planner.calibrationSteps = 4;
-    o.planner.rebalanceEvery = 4;
-    o.metricsPath = dir + "/m.jsonl";
+    hddp::TrainerOptions o = linkJobOptions(dir);
     hddp::EmulationOptions link;
     link.linkBytesPerSecond = rank == 1 ? linkBytesPerSecond : 0.0;
     o.emulation = link;
@@ -276,27 +287,9 @@ TEST(StepTiming, MeasuredCopyTimesReachThePlanner) {
     torch::manual_seed(7);
     at::set_num_threads(1);
     torch::nn::Linear model(3 * 64 * 64, 4);
-    auto forward = [&model](const at::Tensor& x) {
-      const int64_t b = x.size(0);
-      std::this_thread::sleep_for(std::chrono::microseconds(100 * b));
-      at::Tensor out = model->forward(x.flatten(1));
-      if (out.requires_grad()) {
-        out.register_hook([b](const at::Tensor& grad) {
-          std::this_thread::sleep_for(std::chrono::microseconds(200 * b));
-          return grad;
-        });
-      }
-      return out;
-    };
+    const auto forward = sleepingLinearForward(model);
     torch::optim::SGD opt(model->parameters(), 0.01);
-    hddp::TrainerOptions o;
-    o.globalBatch = 32;
-    o.maxSteps = 16;
-    o.progress = hddp::ProgressMode::Off;
-    o.loader.workers = 1;
-    o.planner.calibrationSteps = 4;
-    o.planner.rebalanceEvery = 4;
-    o.metricsPath = dir + "/m.jsonl";
+    hddp::TrainerOptions o = linkJobOptions(dir);
     o.emulation = hddp::EmulationOptions{};
     const double link = rank == 1 ? linkBytesPerSecond : 0.0;
     o.stepTimer = [link](const c10::Device&) { return std::make_unique<CopyTimedHostTimer>(link); };

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -171,8 +172,21 @@ auto sleepingLinearForward(torch::nn::Linear model) {
   };
 }
 
-// The link tests' job: 32 samples a step for 16 steps, a plan every 4, metrics in `dir`.
-hddp::TrainerOptions linkJobOptions(const std::string& dir) {
+// One rank of the link tests' job (32 samples a step for 16 steps, a plan every 4,
+// metrics in `dir`); `configure` sets what differs between them.
+struct LinkJob {
+  std::vector<int64_t> seeded;  // the plan before the first step
+  std::vector<int64_t> last;
+  std::vector<hddp::RankCost> costs;
+};
+
+LinkJob runLinkJob(int rank, int size, hddp::Store& store, const std::string& dir,
+                   const std::function<void(hddp::TrainerOptions&)>& configure) {
+  auto comm = hddp::makeCommunicator(store, rank, size);
+  torch::manual_seed(7);
+  at::set_num_threads(1);
+  torch::nn::Linear model(3 * 64 * 64, 4);
+  torch::optim::SGD opt(model->parameters(), 0.01);
   hddp::TrainerOptions o;
   o.globalBatch = 32;
   o.maxSteps = 16;
@@ -181,7 +195,16 @@ hddp::TrainerOptions linkJobOptions(const std::string& dir) {
   o.planner.calibrationSteps = 4;
   o.planner.rebalanceEvery = 4;
   o.metricsPath = dir + "/m.jsonl";
-  return o;
+  configure(o);
+  auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(32 * 16, 3, 64, 4);
+  hddp::Trainer trainer(*comm, model.ptr(), sleepingLinearForward(model), hddp::crossEntropy(), opt,
+                        ds, o);
+  LinkJob job;
+  job.seeded = trainer.plan().local;
+  trainer.fit();
+  job.last = trainer.planner()->plan().local;
+  job.costs = trainer.planner()->costs();
+  return job;
 }
 
 // Equal compute, rank 1's input link emulated at 50 MB/s: its 48 KiB samples take
@@ -196,24 +219,15 @@ TEST(StepTiming, TheSplitFollowsTheLinkFromTheFirstStep) {
   std::mutex mutex;
   const std::string dir = hddp::testing::makeTempDir();
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    torch::manual_seed(7);
-    at::set_num_threads(1);
-    torch::nn::Linear model(3 * 64 * 64, 4);
-    const auto forward = sleepingLinearForward(model);
-    torch::optim::SGD opt(model->parameters(), 0.01);
-    hddp::TrainerOptions o = linkJobOptions(dir);
-    hddp::EmulationOptions link;
-    link.linkBytesPerSecond = rank == 1 ? linkBytesPerSecond : 0.0;
-    o.emulation = link;
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(32 * 16, 3, 64, 4);
-    hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
-    const auto seeded = trainer.plan().local;
-    trainer.fit();
+    const LinkJob job = runLinkJob(rank, size, store, dir, [&](hddp::TrainerOptions& o) {
+      hddp::EmulationOptions link;
+      link.linkBytesPerSecond = rank == 1 ? linkBytesPerSecond : 0.0;
+      o.emulation = link;
+    });
     std::lock_guard<std::mutex> lock(mutex);
-    first[rank] = seeded;
-    last[rank] = trainer.planner()->plan().local;
-    costs[rank] = trainer.planner()->costs();
+    first[rank] = job.seeded;
+    last[rank] = job.last;
+    costs[rank] = job.costs;
   });
   // The model's split: compute 0.3 ms/sample on both, rank 1 + 48 KiB / 50 MB/s.
   std::vector<hddp::RankCost> model(2);
@@ -283,23 +297,17 @@ TEST(StepTiming, MeasuredCopyTimesReachThePlanner) {
   std::mutex mutex;
   const std::string dir = hddp::testing::makeTempDir();
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    torch::manual_seed(7);
-    at::set_num_threads(1);
-    torch::nn::Linear model(3 * 64 * 64, 4);
-    const auto forward = sleepingLinearForward(model);
-    torch::optim::SGD opt(model->parameters(), 0.01);
-    hddp::TrainerOptions o = linkJobOptions(dir);
-    o.emulation = hddp::EmulationOptions{};
-    const double link = rank == 1 ? linkBytesPerSecond : 0.0;
-    o.stepTimer = [link](const c10::Device&) { return std::make_unique<CopyTimedHostTimer>(link); };
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(32 * 16, 3, 64, 4);
-    hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
-    EXPECT_NEAR(trainer.plan().local[1], 16, 2);  // the seed knows no link
-    trainer.fit();
+    const LinkJob job = runLinkJob(rank, size, store, dir, [&](hddp::TrainerOptions& o) {
+      o.emulation = hddp::EmulationOptions{};
+      const double link = rank == 1 ? linkBytesPerSecond : 0.0;
+      o.stepTimer = [link](const c10::Device&) {
+        return std::make_unique<CopyTimedHostTimer>(link);
+      };
+    });
+    EXPECT_NEAR(job.seeded[1], 16, 2);  // the seed knows no link
     std::lock_guard<std::mutex> lock(mutex);
-    last[rank] = trainer.planner()->plan().local;
-    costs[rank] = trainer.planner()->costs();
+    last[rank] = job.last;
+    costs[rank] = job.costs;
   });
   std::vector<hddp::RankCost> model(2);
   model[0].secondsPerSample = model[1].secondsPerSample = 0.0003;

@@ -204,10 +204,11 @@ TEST(Settling, EstimatorSeparatesAPerStepOverheadFromThePerSampleCost) {
 }
 
 // One plan change: 6 steps of 25 samples, then 6 of 48 during which the shared machine
-// ran 20% faster (+-15% noise in both, too much for a level shift to show). The size changed once, in step with the load, so
-// no per-step overhead can be told from it: the estimate stays proportional, between the
-// two speeds. A line through the two clusters would read 10 ms of overhead and 0.58 ms
-// per sample, and the planner would give this rank far too much next (an overshoot).
+// ran 20% faster (+-15% noise in both, too much for a level shift to show). The size changed once,
+// in step with the load, so no per-step overhead can be told from it: the estimate stays
+// proportional, between the two speeds. A line through the two clusters would read 10 ms of
+// overhead and 0.58 ms per sample, and the planner would give this rank far too much next (an
+// overshoot).
 TEST(Settling, OnePlanChangeIsNotReadAsAPerStepOverhead) {
   hddp::RankEstimator e(20, 3.0, 10);
   const double noise[] = {1.0, 1.15, 0.85, 1.1, 0.9, 1.0};

@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <numeric>
 #include <thread>
 
 #include "cli_checks.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/devices.h"
 #include "hddp/comm/rendezvous.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
@@ -102,16 +104,42 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--limit-test", f.limitTest, "Evaluate on this many samples (0: all)")
       ->check(cli::nonNegative())
       ->capture_default_str();
+  app.add_option("--device", f.device,
+                 "This program's device: cpu, cuda or cuda:N (default: HDDP_DEVICE, which "
+                 "hddp-run --devices sets, else cuda:<local rank> with CUDA, else cpu)");
   app.add_option("--progress", f.progress, "auto (a live bar on a terminal), lines or off")
       ->check(CLI::IsMember({"auto", "lines", "off"}))
       ->capture_default_str();
+}
+
+InitOptions initOptions(const CommonFlags& flags) {
+  InitOptions o;
+  if (!flags.device.empty()) {
+    o.device = parseDeviceName(flags.device, "--device");
+  }
+  return o;
 }
 
 int applyThreads(const CommonFlags& flags, const DistributedContext& ctx) {
   int threads = flags.threads;
   if (threads <= 0) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    threads = std::max(1, cores / std::max(1, ctx.info.localWorldSize));
+    int sharing = std::max(1, ctx.info.localWorldSize);
+    // A job of GPU and CPU ranks (hddp-run --devices cuda:0,cpu): the CPU ranks compute
+    // on the cores, the GPU ranks mostly launch kernels; each GPU rank keeps one core.
+    const char* list = std::getenv("HDDP_DEVICE");
+    if (ctx.device.is_cpu() && list && std::string(list).find(',') != std::string::npos) {
+      const auto devices = parseDeviceList(list, "HDDP_DEVICE");
+      const auto cpuRanks = std::count_if(devices.begin(), devices.end(),
+                                          [](const c10::Device& d) { return d.is_cpu(); });
+      const int gpuRanks = static_cast<int>(devices.size()) - static_cast<int>(cpuRanks);
+      if (gpuRanks > 0 && cores > gpuRanks) {
+        threads = std::max(1, (cores - gpuRanks) / static_cast<int>(cpuRanks));
+      }
+    }
+    if (threads <= 0) {
+      threads = std::max(1, cores / sharing);
+    }
   }
   torch::set_num_threads(threads);
   return threads;

@@ -27,6 +27,7 @@ class Optimizer;
 namespace hddp {
 class Communicator;
 struct DistributedContext;
+struct InitOptions;
 
 namespace examples {
 
@@ -63,10 +64,14 @@ struct CommonFlags {
   int64_t limitTest = 0;
   std::string progress = "auto";
   double clipGradNorm = 0.0;
+  std::string device;  // empty: HDDP_DEVICE, else cuda:<local rank> with CUDA, else cpu
 };
 
 /// Registers the common flags on `app`, writing into `flags`.
 void addCommonFlags(CLI::App& app, CommonFlags& flags);
+
+/// initFromEnv's options from the flags: --device (a ConfigError names a bad one).
+InitOptions initOptions(const CommonFlags& flags);
 
 /// Threads per rank: --threads, else the machine's cores divided by the ranks on this
 /// host (at least 1). Sets LibTorch's intra-op threads and returns the number.

@@ -181,7 +181,7 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
 
-  auto ctx = hddp::initFromEnv();
+  auto ctx = hddp::initFromEnv(ex::initOptions(flags));
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);  // identical initial weights on every rank (DDP checks)
   Data d =

@@ -315,37 +315,4 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
   return validated(std::move(parsed));
 }
 
-c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allowShared) {
-  if (cudaDeviceCount <= 0) {
-    return c10::Device(c10::kCPU);
-  }
-  if (info.localRank >= cudaDeviceCount) {
-    HDDP_CHECK_AS(ConfigError, allowShared, "local rank ", info.localRank,
-                  " needs cuda:", info.localRank, " but only ", cudaDeviceCount,
-                  " CUDA device(s) are visible. Start at most ", cudaDeviceCount,
-                  " ranks per node (--nproc-per-node), check CUDA_VISIBLE_DEVICES, or set "
-                  "HDDP_ALLOW_SHARED_DEVICE=1 to share devices over Gloo (testing only)");
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info.localRank % cudaDeviceCount));
-  }
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info.localRank));
-}
-
-void checkDistinctDevices(const std::vector<std::string>& claims) {
-  std::map<std::string, size_t> firstClaim;
-  for (size_t r = 0; r < claims.size(); ++r) {
-    const auto bar = claims[r].find('|');
-    const std::string device = bar == std::string::npos ? claims[r] : claims[r].substr(bar + 1);
-    if (device.rfind("cuda", 0) != 0) {
-      continue;  // CPU ranks may share the host
-    }
-    auto inserted = firstClaim.emplace(claims[r], r);
-    HDDP_CHECK_AS(ConfigError, inserted.second, "duplicate GPU detected: ranks ",
-                  inserted.first->second, " and ", r, " both use ", device, " on host '",
-                  claims[r].substr(0, bar),
-                  "'. Each rank needs its own device: check LOCAL_RANK and "
-                  "CUDA_VISIBLE_DEVICES, or set HDDP_ALLOW_SHARED_DEVICE=1 with the Gloo "
-                  "backend to share one GPU for testing");
-  }
-}
-
 }  // namespace hddp

@@ -3,6 +3,12 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cctype>
+#include <exception>
+#include <thread>
+#include <tuple>
+
 #include "comm/loopback.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
@@ -19,18 +25,52 @@ std::string hostName() {
   return buf;
 }
 
-Backend chooseBackend(const InitOptions& options, const c10::Device& device, bool shared) {
+// The backend this rank was asked for and by whom ("auto" and "" when not asked).
+std::pair<std::string, std::string> requestedBackend(const InitOptions& options) {
   if (options.backend) {
-    return *options.backend;
+    return {backendName(*options.backend), "InitOptions::backend"};
   }
   const auto requested = env::resolveString("HDDP_BACKEND");
-  if (requested.value != "auto" && !requested.value.empty()) {
-    return parseBackend(requested.value);
+  std::string value = requested.value;
+  std::transform(value.begin(), value.end(), value.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (value.empty() || value == "auto") {
+    return {"auto", ""};
   }
-  return device.is_cuda() && ncclAvailable() && !shared ? Backend::Nccl : Backend::Gloo;
+  parseBackend(value);  // an unknown name is an error here, on the rank that has it
+  return {value, "HDDP_BACKEND"};
 }
 
 }  // namespace
+
+std::vector<RankDeviceClaim> exchangeDeviceClaims(Store& store, int rank, int worldSize,
+                                                  const RankDeviceClaim& mine,
+                                                  const std::string& round,
+                                                  std::chrono::milliseconds timeout) {
+  const std::string prefix = "hddp/device_claim/" + round + "/";
+  store.set(prefix + std::to_string(rank), mine.encode());
+  std::vector<std::string> keys;
+  for (int r = 0; r < worldSize; ++r) {
+    keys.push_back(prefix + std::to_string(r));
+  }
+  store.wait(keys, timeout);
+  std::vector<RankDeviceClaim> claims;
+  for (const auto& key : keys) {
+    claims.push_back(RankDeviceClaim::decode(store.getString(key)));
+  }
+  // Rank 0 hosts the store: it leaves only when every rank has read the claims, so that
+  // when they make the job fail, each rank fails with their reason, not with a store
+  // that went away.
+  store.add(prefix + "read", 1);
+  if (rank == 0) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (store.add(prefix + "read", 0) < worldSize &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return claims;
+}
 
 DistributedContext initFromEnv(const InitOptions& options) {
   const LaunchInfo info = detectLaunch(options, processEnvironment());
@@ -41,35 +81,44 @@ DistributedContext initFromEnv(const InitOptions& options) {
   const int cudaCount = at::detail::getCUDAHooks().hasCUDA()
                             ? static_cast<int>(at::detail::getCUDAHooks().deviceCount())
                             : 0;
-  const c10::Device device =
-      options.device ? *options.device : chooseDevice(info, cudaCount, allowShared);
-  const Backend backend = chooseBackend(options, device, allowShared);
-  HDDP_CHECK_AS(ConfigError, backend != Backend::Nccl || device.is_cuda(),
-                "the NCCL backend needs a CUDA device but this rank uses ", device,
-                "; use HDDP_BACKEND=gloo (or leave it on auto)");
-  std::chrono::milliseconds timeout{0};
-  if (options.timeout) {
-    timeout = *options.timeout;
-  } else if (const auto sec = env::timeoutFromEnv(); sec.count() > 0) {
-    timeout = sec;
-  } else {
-    timeout = defaultTimeout(backend);
+  // A rank whose own device or backend wish is wrong still joins the exchange with its
+  // error, so every rank fails with it at once instead of waiting for the timeout.
+  RankDeviceClaim mine;
+  mine.host = hostName();
+  mine.ncclAvailable = ncclAvailable();
+  mine.allowShared = allowShared;
+  c10::Device device(c10::kCPU);
+  std::exception_ptr localError;
+  try {
+    device = resolveDevice(info, options.device, processEnvironment(), cudaCount, allowShared);
+    std::tie(mine.requested, mine.requestedFrom) = requestedBackend(options);
+  } catch (const ConfigError& e) {
+    localError = std::current_exception();
+    mine.error = e.what_without_backtrace();
   }
+  mine.device = device.str();
 
-  HDDP_LOG_INFO("comm", "rank ", info.rank, "/", info.worldSize, " (local ", info.localRank, "/",
-                info.localWorldSize, ") from ", launcherName(info.launcher), ", device ", device,
-                ", backend ", backendName(backend),
-                info.worldSize > 1 ? c10::str(", store ", info.masterAddr, ":", info.masterPort)
-                                   : std::string());
+  // Until the backend is agreed, the store waits as long as the backend the rank would
+  // pick alone allows (a rank on CUDA: NCCL's 10 minutes).
+  std::chrono::milliseconds explicitTimeout{0};
+  if (options.timeout) {
+    explicitTimeout = *options.timeout;
+  } else if (const auto sec = env::timeoutFromEnv(); sec.count() > 0) {
+    explicitTimeout = sec;
+  }
+  const bool guessNccl = mine.requested == "nccl" || (mine.requested == "auto" && device.is_cuda());
+  const std::chrono::milliseconds storeTimeout =
+      explicitTimeout.count() > 0 ? explicitTimeout
+                                  : defaultTimeout(guessNccl ? Backend::Nccl : Backend::Gloo);
 
   auto makeStore = [&]() -> Store {
     if (info.worldSize == 1 && !info.useAgentStore) {
-      return Store::memory(timeout);
+      return Store::memory(storeTimeout);
     }
     TcpStoreOptions opts;
     opts.host = info.masterAddr;
     opts.port = static_cast<uint16_t>(info.masterPort);
-    opts.timeout = timeout;
+    opts.timeout = storeTimeout;
     if (info.useAgentStore) {
       opts.isServer = false;
       return Store::tcp(opts).withPrefix("/worker/attempt_" + std::to_string(info.restartCount));
@@ -80,21 +129,32 @@ DistributedContext initFromEnv(const InitOptions& options) {
   };
   Store store = makeStore();
 
-  // The "Duplicate GPU detected" trap, caught before NCCL would hang or crash on it.
-  if (info.worldSize > 1 && !allowShared) {
-    const std::string prefix = "hddp/device_claim/" + std::to_string(info.restartCount) + "/";
-    store.set(prefix + std::to_string(info.rank), hostName() + "|" + device.str());
-    std::vector<std::string> keys;
-    for (int r = 0; r < info.worldSize; ++r) {
-      keys.push_back(prefix + std::to_string(r));
+  // Every rank's device and wishes, so that all derive one backend (or one error) and
+  // the "Duplicate GPU detected" trap is caught before NCCL would hang or crash on it.
+  std::vector<RankDeviceClaim> claims{mine};
+  try {
+    if (info.worldSize > 1) {
+      claims = exchangeDeviceClaims(store, info.rank, info.worldSize, mine,
+                                    std::to_string(info.restartCount), storeTimeout);
     }
-    store.wait(keys, timeout);
-    std::vector<std::string> claims;
-    for (const auto& key : keys) {
-      claims.push_back(store.getString(key));
+  } catch (const Error&) {
+    if (!localError) {
+      throw;
     }
-    checkDistinctDevices(claims);
   }
+  if (localError) {
+    std::rethrow_exception(localError);  // this rank's own reason comes first
+  }
+  const BackendAgreement agreed = agreeOnBackend(claims);
+  const Backend backend = agreed.backend;
+  const std::chrono::milliseconds timeout =
+      explicitTimeout.count() > 0 ? explicitTimeout : defaultTimeout(backend);
+
+  HDDP_LOG_INFO("comm", "rank ", info.rank, "/", info.worldSize, " (local ", info.localRank, "/",
+                info.localWorldSize, ") from ", launcherName(info.launcher), ", device ", device,
+                ", backend ", backendName(backend), " for the job: ", agreed.reason,
+                info.worldSize > 1 ? c10::str(", store ", info.masterAddr, ":", info.masterPort)
+                                   : std::string());
 
   CommunicatorOptions commOptions;
   commOptions.backend = backend;

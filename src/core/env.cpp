@@ -24,7 +24,8 @@ std::vector<Variable> makeRegistry() {
       {"HDDP_BACKEND",
        Type::String,
        "auto",
-       "Collective backend: auto (NCCL for CUDA devices, Gloo otherwise), gloo or nccl.",
+       "Collective backend: auto (agreed at rendezvous: NCCL when every rank is on its own "
+       "CUDA device, Gloo otherwise), gloo or nccl; the same on every rank.",
        {}},
       {"HDDP_TIMEOUT_SEC",
        Type::Int,
@@ -53,6 +54,12 @@ std::vector<Variable> makeRegistry() {
        Type::String,
        "",
        "Emulation (tests/demos): out of memory above this many samples per step, e.g. 1:40.",
+       {}},
+      {"HDDP_DEVICE",
+       Type::String,
+       "",
+       "Device of the ranks: one for all (cpu, cuda, cuda:N) or one per local rank "
+       "(cuda:0,cpu); empty = cuda:<local rank> with CUDA, else cpu. hddp-run --devices sets it.",
        {}},
       {"HDDP_ALLOW_SHARED_DEVICE",
        Type::Bool,

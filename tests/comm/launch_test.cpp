@@ -1,8 +1,14 @@
-// Launcher conventions -> LaunchInfo, and every error case naming its variable.
+// Launcher conventions -> LaunchInfo, each rank's device, the job's backend, and every
+// error case naming its variable, rank or device.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <functional>
+
+#include "hddp/comm/devices.h"
 #include "hddp/comm/rendezvous.h"
 #include "hddp/core/error.h"
+#include "support/ranks.h"
 
 namespace {
 
@@ -193,6 +199,158 @@ TEST(Launch, DuplicateGpuDetected) {
               std::string::npos)
         << msg;
   }
+}
+
+// The message of the ConfigError `fn` throws, or "no error".
+std::string configErrorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const hddp::ConfigError& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
+TEST(Devices, NamesAndListsAreParsedAndBadEntriesNamed) {
+  EXPECT_EQ(hddp::parseDeviceName(" CPU ", "--device"), c10::Device(c10::kCPU));
+  EXPECT_EQ(hddp::parseDeviceName("cuda:3", "--device"), c10::Device(c10::kCUDA, 3));
+  EXPECT_FALSE(hddp::parseDeviceName("cuda", "--device").has_index());
+  const auto list = hddp::parseDeviceList("cuda,cpu,cuda, cuda:5", "--devices");
+  EXPECT_EQ(list,
+            (std::vector<c10::Device>{c10::Device(c10::kCUDA, 0), c10::Device(c10::kCPU),
+                                      c10::Device(c10::kCUDA, 1), c10::Device(c10::kCUDA, 5)}));
+  for (const char* bad : {"gpu0", "cuda:", "cuda:-1", "cuda:x", "mps", "", "cuda:123456"}) {
+    EXPECT_HAS(configErrorOf([&] { hddp::parseDeviceName(bad, "--device"); }),
+               std::string("--device: '") + bad + "' is not a device; use cpu, cuda or cuda:N");
+  }
+  EXPECT_HAS(configErrorOf([] { hddp::parseDeviceList("cuda:0,,cpu", "HDDP_DEVICE"); }),
+             "HDDP_DEVICE entry 1 of 'cuda:0,,cpu': '' is not a device");
+}
+
+TEST(Devices, EachRankTakesItsEntryOfHddpDeviceAndMissingDevicesAreNamed) {
+  hddp::LaunchInfo info;
+  info.rank = 3;
+  info.localRank = 1;
+  info.localWorldSize = 2;
+  const EnvMap mixed{{"HDDP_DEVICE", "cuda:0,cpu"}};
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, mixed, 1), c10::Device(c10::kCPU));
+  info.localRank = 0;
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, mixed, 1), c10::Device(c10::kCUDA, 0));
+  // One device for every rank; a bare cuda is cuda:<local rank>.
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, {{"HDDP_DEVICE", "cpu"}}, 2),
+            c10::Device(c10::kCPU));
+  info.localRank = 1;
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, {{"HDDP_DEVICE", "cuda"}}, 2),
+            c10::Device(c10::kCUDA, 1));
+  // The explicit device (the trainers' --device) wins over HDDP_DEVICE.
+  EXPECT_EQ(hddp::resolveDevice(info, c10::Device(c10::kCPU), mixed, 1), c10::Device(c10::kCPU));
+  // Without HDDP_DEVICE: cuda:<local rank>, as before.
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, {}, 2), c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, {}, 0), c10::Device(c10::kCPU));
+
+  // Errors name the rank, the device and where it came from.
+  info.localRank = 0;
+  EXPECT_HAS(configErrorOf([&] { hddp::resolveDevice(info, std::nullopt, mixed, 0); }),
+             "rank 3 (local rank 0) is given cuda:0 by entry 0 of HDDP_DEVICE='cuda:0,cpu' but "
+             "no CUDA device is visible");
+  EXPECT_HAS(
+      configErrorOf([&] {
+        hddp::resolveDevice(info, std::nullopt, {{"HDDP_DEVICE", "cuda:2"}}, 2);
+      }),
+      "is given cuda:2 by HDDP_DEVICE=cuda:2 but 2 CUDA device(s) are visible (cuda:0..cuda:1)");
+  EXPECT_HAS(configErrorOf([&] { hddp::resolveDevice(info, c10::Device(c10::kCUDA, 1), {}, 1); }),
+             "is given cuda:1 by --device (InitOptions::device) but 1 CUDA device(s) are visible "
+             "(cuda:0)");
+  EXPECT_HAS(configErrorOf([&] {
+               hddp::resolveDevice(info, std::nullopt, {{"HDDP_DEVICE", "cuda:0,cpu,cpu"}}, 1);
+             }),
+             "HDDP_DEVICE='cuda:0,cpu,cpu' lists 3 devices but this node runs 2 local rank(s)");
+}
+
+hddp::RankDeviceClaim claim(const std::string& device, const std::string& requested = "auto",
+                            const std::string& host = "h1") {
+  hddp::RankDeviceClaim c;
+  c.host = host;
+  c.device = device;
+  c.ncclAvailable = true;
+  c.requested = requested;
+  c.requestedFrom = requested == "auto" ? "" : "HDDP_BACKEND";
+  return c;
+}
+
+TEST(Backend, TheJobAgreesOnNcclOnlyWhenEveryRankIsOnItsOwnGpu) {
+  using hddp::agreeOnBackend;
+  using hddp::Backend;
+  EXPECT_EQ(
+      agreeOnBackend({claim("cuda:0"), claim("cuda:1"), claim("cuda:0", "auto", "h2")}).backend,
+      Backend::Nccl);
+  const auto mixed = agreeOnBackend({claim("cuda:0"), claim("cpu")});
+  EXPECT_EQ(mixed.backend, Backend::Gloo);
+  EXPECT_HAS(mixed.reason, "rank 1 is on cpu");
+  EXPECT_EQ(agreeOnBackend({claim("cpu"), claim("cpu")}).reason, "every rank is on the CPU");
+  auto noNccl = claim("cuda:1");
+  noNccl.ncclAvailable = false;
+  EXPECT_HAS(agreeOnBackend({claim("cuda:0"), noNccl}).reason, "rank 1's LibTorch has no NCCL");
+  // A shared GPU (every rank allows it) goes through Gloo; not allowed, it is an error.
+  auto a = claim("cuda:0");
+  auto b = claim("cuda:0");
+  a.allowShared = b.allowShared = true;
+  const auto shared = agreeOnBackend({a, b});
+  EXPECT_EQ(shared.backend, Backend::Gloo);
+  EXPECT_HAS(shared.reason, "ranks 0 and 1 share cuda:0 on host 'h1'");
+  b.allowShared = false;
+  EXPECT_HAS(configErrorOf([&] {
+               agreeOnBackend({a, b});
+             }),
+             "duplicate GPU detected: ranks 0 and 1");
+  // An explicit backend: honoured when it can serve the job, else an error.
+  EXPECT_EQ(agreeOnBackend({claim("cuda:0", "gloo"), claim("cuda:1", "gloo")}).backend,
+            Backend::Gloo);
+  EXPECT_EQ(agreeOnBackend({claim("cuda:0", "nccl"), claim("cuda:1", "nccl")}).backend,
+            Backend::Nccl);
+  EXPECT_HAS(configErrorOf([] {
+               agreeOnBackend({claim("cuda:0", "nccl"), claim("cpu", "nccl")});
+             }),
+             "backend nccl (HDDP_BACKEND) cannot serve this job: rank 1 is on cpu");
+  EXPECT_HAS(configErrorOf([] {
+               agreeOnBackend({claim("cuda:0"), claim("cuda:1", "nccl")});
+             }),
+             "the ranks ask for different backends: rank 0 for auto (the default), rank 1 for "
+             "nccl (HDDP_BACKEND)");
+  // A rank that could not resolve its device takes every rank down with its reason.
+  auto broken = claim("cpu");
+  broken.error = "rank 1 (local rank 1) is given cuda:3 | by --device";
+  const auto decoded = hddp::RankDeviceClaim::decode(broken.encode());
+  EXPECT_EQ(decoded.error, "rank 1 (local rank 1) is given cuda:3 / by --device");
+  EXPECT_HAS(configErrorOf([&] {
+               agreeOnBackend({claim("cpu"), decoded});
+             }),
+             "rank 1 cannot join the job: rank 1 (local rank 1) is given cuda:3");
+}
+
+// Every rank reads all claims through the store and reaches the same backend, or the
+// same error, without waiting for a timeout.
+TEST(Backend, EveryRankReachesTheSameAnswerThroughTheStore) {
+  std::vector<hddp::Backend> backends(3, hddp::Backend::Nccl);
+  std::atomic<int> errors{0};
+  hddp::testing::runThreads(3, [&](int rank, int size, hddp::Store& store) {
+    const std::vector<std::string> devices = {"cuda:0", "cpu", "cuda:1"};
+    auto claims = hddp::exchangeDeviceClaims(store, rank, size, claim(devices[rank]), "0",
+                                             std::chrono::seconds(30));
+    backends[rank] = hddp::agreeOnBackend(claims).backend;
+    // Round 1: rank 2 alone asks for NCCL, which the CPU rank rules out anyway.
+    claims = hddp::exchangeDeviceClaims(store, rank, size,
+                                        claim(devices[rank], rank == 2 ? "nccl" : "auto"), "1",
+                                        std::chrono::seconds(30));
+    if (configErrorOf([&] { hddp::agreeOnBackend(claims); }).find("rank 2 for nccl") !=
+        std::string::npos) {
+      ++errors;
+    }
+  });
+  EXPECT_EQ(backends, std::vector<hddp::Backend>(3, hddp::Backend::Gloo));
+  EXPECT_EQ(errors.load(), 3);
 }
 
 }  // namespace

@@ -52,6 +52,52 @@ TEST(Processes, InitFromEnvTorchrunStyle) {
   hddp::testing::expectAllSucceeded(outcomes);
 }
 
+// One rank with a wish the job cannot meet (`wish`, a VAR=value for rank 1): every
+// rank fails at once with the reason (`why`), none waits for the store's timeout (30
+// minutes by default). One runProcesses per test: the children re-run the test.
+void expectEveryRankFailsAtOnce(const std::string& wish, const std::string& why) {
+  const auto start = std::chrono::steady_clock::now();
+  auto outcomes = runProcesses(
+      2,
+      [&wish](int rank, int size, hddp::Store& store) {
+        if (rank == 0) {
+          store.set("port", std::to_string(freePort()));
+        }
+        const std::string port = store.getString("port");
+        setenv("RANK", std::to_string(rank).c_str(), 1);
+        setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
+        setenv("MASTER_ADDR", "127.0.0.1", 1);
+        setenv("MASTER_PORT", port.c_str(), 1);
+        if (rank == 1) {
+          const auto eq = wish.find('=');
+          setenv(wish.substr(0, eq).c_str(), wish.substr(eq + 1).c_str(), 1);
+        }
+        try {
+          hddp::initFromEnv();
+        } catch (const hddp::ConfigError& e) {
+          std::fprintf(stderr, "ConfigError: %s\n", e.what_without_backtrace());
+          std::fflush(stderr);
+          _exit(3);
+        }
+      },
+      std::chrono::seconds(60));
+  ASSERT_EQ(outcomes.size(), 2u);
+  for (const auto& o : outcomes) {
+    EXPECT_TRUE(o.exited && o.exitCode == 3) << wish << ", rank " << o.rank << ": " << o.output;
+    EXPECT_NE(o.output.find(why), std::string::npos) << o.output;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 50.0);
+}
+
+TEST(Processes, ABackendOneRankAsksForAloneFailsEveryRankAtOnce) {
+  expectEveryRankFailsAtOnce("HDDP_BACKEND=nccl",
+                             "rank 0 for auto (the default), rank 1 for nccl (HDDP_BACKEND)");
+}
+
+TEST(Processes, ADeviceOneRankLacksFailsEveryRankAtOnce) {
+  expectEveryRankFailsAtOnce("HDDP_DEVICE=cuda:9", "is given cuda:9 by HDDP_DEVICE=cuda:9");
+}
+
 TEST(Processes, KilledRankMakesTheOthersRaiseWithinTheTimeout) {
   auto outcomes = runProcesses(3, [](int rank, int size, hddp::Store& store) {
     hddp::CommunicatorOptions opts;
@@ -118,6 +164,43 @@ TEST(HddpRun, RunsRanksWithTorchrunEnvironmentAndPrefixedOutput) {
         r.output.find("[rank " + std::to_string(rank) + "] sum=3 restart=0 launcher=torchrun"),
         std::string::npos)
         << r.output;
+  }
+}
+
+TEST(HddpRun, DevicesGiveEachRankItsDeviceAndTheJobOneBackend) {
+  auto r = runCommand(launcher() + " --devices cpu,CPU -- " + worker() + " allreduce");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {  // two ranks: the list's length
+    EXPECT_NE(r.output.find("[rank " + std::to_string(rank) +
+                            "] sum=2 restart=0 launcher=torchrun device=cpu backend=gloo"),
+              std::string::npos)
+        << r.output;
+  }
+  // A device this machine lacks (no GPU has nine): the job ends within seconds naming
+  // the rank and the device, not after the store's 30-minute timeout.
+  auto missing = runCommand(launcher() + " --devices cpu,cuda:9 --grace-period 2 -- " + worker() +
+                            " allreduce");
+  EXPECT_NE(missing.exitCode, 0) << missing.output;
+  EXPECT_NE(missing.output.find("rank 1 (local rank 1) is given cuda:9 by entry 1 of "
+                                "HDDP_DEVICE='cpu,cuda:9'"),
+            std::string::npos)
+      << missing.output;
+  EXPECT_LT(missing.seconds, 60.0);
+}
+
+TEST(HddpRun, BadDeviceListsAreUsageErrors) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--nproc-per-node 3 --devices cpu,cpu",
+       "--devices lists 2 device(s) but --nproc-per-node is 3"},
+      {"--devices cuda:0,gpu1", "--devices entry 1 'gpu1' is not a device"},
+      {"--devices cuda:0,cpu,cuda:0", "--devices gives cuda:0 to local ranks 0 and 2"},
+      {"--devices cuda,cuda:0", "--devices gives cuda:0 to local ranks 0 and 1"},
+      {"--nproc-per-node 2 --share-devices", "--share-devices needs --devices"},
+  };
+  for (const auto& [flags, message] : cases) {
+    auto r = runCommand(launcher() + " " + flags + " -- " + worker() + " allreduce");
+    EXPECT_EQ(r.exitCode, 2) << flags << ": " << r.output;
+    EXPECT_NE(r.output.find("hddp-run: " + message), std::string::npos) << r.output;
   }
 }
 

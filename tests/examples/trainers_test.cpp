@@ -208,6 +208,14 @@ TEST(ExampleTrainers, BadFlagsSayWhatIsWrong) {
   r = runTrainer(kResnet, "--amp fp16 --dataset synthetic");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("bf16"), std::string::npos) << r.output;
+  r = runTrainer(kResnet, "--dataset synthetic --device gpu");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--device: 'gpu' is not a device; use cpu, cuda or cuda:N"),
+            std::string::npos)
+      << r.output;
+  r = runTrainer(kResnet, "--dataset synthetic --device cuda:9");  // no machine has nine
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("is given cuda:9 by --device"), std::string::npos) << r.output;
 }
 
 // Range checks used to print their bound as a 300-digit number.

@@ -1,6 +1,7 @@
 // A small program for launcher tests: joins the job from the environment (as a user's
 // program would under hddp-run, torchrun, srun or mpirun) and does what argv says.
-//   worker allreduce            allreduce a ones tensor, print "sum=<value> restart=<n>"
+//   worker allreduce            allreduce a ones tensor, print "sum=<value> restart=<n>
+//                               launcher=<name> device=<device> backend=<backend>"
 //   worker fail RANK CODE       rank RANK exits with CODE after joining; the others wait
 //   worker fail-once RANK CODE  like fail, but only when TORCHELASTIC_RESTART_COUNT is 0
 //   worker listening            after an allreduce, prints each TCP socket this process
@@ -134,8 +135,9 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       ctx.communicator->allreduce(t).wait();  // nobody leaves before all have looked
     }
-    std::printf("sum=%g restart=%d launcher=%s\n", t[0].item<double>(), restart,
-                hddp::launcherName(ctx.info.launcher));
+    std::printf("sum=%g restart=%d launcher=%s device=%s backend=%s\n", t[0].item<double>(),
+                restart, hddp::launcherName(ctx.info.launcher), ctx.device.str().c_str(),
+                hddp::backendName(ctx.communicator->backend()));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "worker failed: %s\n", e.what());

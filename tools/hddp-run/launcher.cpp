@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -144,6 +145,16 @@ class Group {
           "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(config_.maxRestarts),
           "TORCHELASTIC_RUN_ID=hddp-" + std::to_string(getpid()),
       };
+      if (!config_.devices.empty()) {
+        std::string list;
+        for (const auto& d : config_.devices) {
+          list += (list.empty() ? "" : ",") + d;
+        }
+        env.push_back("HDDP_DEVICE=" + list);  // each rank takes entry LOCAL_RANK
+      }
+      if (config_.shareDevices) {
+        env.push_back("HDDP_ALLOW_SHARED_DEVICE=1");
+      }
       const pid_t parent = getpid();
       const pid_t pid = fork();
       if (pid < 0) {
@@ -377,6 +388,52 @@ class Group {
 };
 
 }  // namespace
+
+std::string checkDevices(LaunchConfig& config, bool nprocGiven) {
+  if (config.devices.empty()) {
+    return config.shareDevices ? "--share-devices needs --devices (e.g. --devices cuda:0,cuda:0)"
+                               : "";
+  }
+  const int n = static_cast<int>(config.devices.size());
+  if (nprocGiven && n != config.nprocPerNode) {
+    return "--devices lists " + std::to_string(n) + " device(s) but --nproc-per-node is " +
+           std::to_string(config.nprocPerNode) +
+           ": give one device per local rank (or leave --nproc-per-node out)";
+  }
+  config.nprocPerNode = n;
+  std::vector<std::string> cuda;  // the CUDA device of each entry, "" for the CPU
+  int nextCuda = 0;
+  for (int i = 0; i < n; ++i) {
+    std::string d = config.devices[static_cast<size_t>(i)];
+    for (auto& c : d) {
+      c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+    const bool indexed = d.size() > 5 && d.size() <= 8 && d.rfind("cuda:", 0) == 0 &&
+                         d.find_first_not_of("0123456789", 5) == std::string::npos;
+    if (d != "cpu" && d != "cuda" && !indexed) {
+      return "--devices entry " + std::to_string(i) + " '" +
+             config.devices[static_cast<size_t>(i)] +
+             "' is not a device; use cpu, cuda or cuda:N, one per local rank (e.g. "
+             "--devices cuda:0,cpu)";
+    }
+    if (d == "cuda") {
+      d = "cuda:" + std::to_string(nextCuda);
+    }
+    if (d != "cpu") {
+      nextCuda = std::stoi(d.substr(5)) + 1;
+      for (int j = 0; j < i && !config.shareDevices; ++j) {
+        if (cuda[static_cast<size_t>(j)] == d) {
+          return "--devices gives " + d + " to local ranks " + std::to_string(j) + " and " +
+                 std::to_string(i) +
+                 "; each rank needs its own GPU, or add --share-devices to share it over Gloo "
+                 "(testing)";
+        }
+      }
+    }
+    cuda.push_back(d == "cpu" ? "" : d);
+  }
+  return "";
+}
 
 int launch(const LaunchConfig& config) {
   if (pipe2(gSignalPipe, O_CLOEXEC | O_NONBLOCK) != 0) {

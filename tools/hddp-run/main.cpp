@@ -7,7 +7,8 @@
 // rank, forwards Ctrl-C / SIGTERM, and when one rank fails ends the others within
 // seconds and exits non-zero naming it. With --max-restarts K the whole group is
 // restarted up to K times (TORCHELASTIC_RESTART_COUNT incremented) so a program can
-// resume from its last saved state. See docs/launching.md.
+// resume from its last saved state. --devices gives each local rank its device
+// (HDDP_DEVICE), e.g. a GPU rank next to a CPU rank. See docs/launching.md.
 #include <CLI/CLI.hpp>
 #include <iostream>
 
@@ -61,6 +62,13 @@ int main(int argc, char** argv) {
       ->excludes("--node-rank")
       ->excludes("--master-addr")
       ->excludes("--master-port");
+  app.add_option("--devices", config.devices,
+                 "One device per local rank, e.g. cuda:0,cpu (a GPU rank and a CPU rank); sets "
+                 "--nproc-per-node when that is not given. Default: cuda:<local rank> with "
+                 "CUDA, else cpu")
+      ->delimiter(',');
+  app.add_flag("--share-devices", config.shareDevices,
+               "Let local ranks share a GPU in --devices (Gloo through host memory; testing)");
   app.add_flag("--no-prefix", config.noPrefix, "Do not prefix output lines with [rank N]");
   try {
     app.parse(argc, argv);
@@ -74,6 +82,11 @@ int main(int argc, char** argv) {
   if (config.command.empty()) {
     std::cerr << "hddp-run: no program given. Usage: hddp-run --nproc-per-node N -- program "
                  "[args...]\n";
+    return 2;
+  }
+  if (const std::string error = hddp::run::checkDevices(config, app.count("--nproc-per-node") > 0);
+      !error.empty()) {
+    std::cerr << "hddp-run: " << error << "\n";
     return 2;
   }
   if (config.nodeRank >= config.nnodes) {

@@ -1,4 +1,4 @@
-// Who am I in the job, and which device do I use: the launchers' conventions.
+// Who am I in the job: the launchers' conventions (hddp/comm/devices.h: which device).
 //
 // `detectLaunch()` reads the conventions of the launchers people use, in this order
 // of precedence: explicit options; torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -46,10 +46,12 @@ struct InitOptions {
   std::optional<int> localWorldSize;
   std::optional<std::string> masterAddr;
   std::optional<int> masterPort;
-  /// Default: NCCL when the device is CUDA and NCCL is available, else Gloo
-  /// (HDDP_BACKEND overrides the automatic choice).
+  /// Default: agreed at rendezvous, NCCL when every rank is on its own CUDA device,
+  /// else Gloo (hddp/comm/devices.h). HDDP_BACKEND overrides the automatic choice;
+  /// every rank must ask for the same.
   std::optional<Backend> backend;
-  /// Default: cuda:<local rank> when CUDA is available, else CPU.
+  /// Default: HDDP_DEVICE (one device, or one per local rank), else cuda:<local rank>
+  /// when CUDA is available, else CPU (resolveDevice in hddp/comm/devices.h).
   std::optional<c10::Device> device;
   /// Default: HDDP_TIMEOUT_SEC, else 30 min (Gloo) / 10 min (NCCL), like PyTorch.
   std::optional<std::chrono::milliseconds> timeout;
@@ -67,16 +69,7 @@ EnvMap processEnvironment();
 /// MASTER_ADDR with WORLD_SIZE > 1, ...).
 LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env);
 
-/// The device this rank should use when none is given: cuda:<localRank> when
-/// `cudaDeviceCount` > 0, else CPU. localRank >= cudaDeviceCount throws
-/// hddp::ConfigError unless `allowShared` (then devices are reused round-robin).
-c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allowShared = false);
-
 /// First host of a Slurm node list: "gpu[01-04,07],login1" -> "gpu01".
 std::string firstSlurmHost(const std::string& nodelist);
-
-/// Checks that no two ranks on one host use the same CUDA device; `claims` are
-/// "host|device" strings indexed by rank. Throws hddp::ConfigError naming both ranks.
-void checkDistinctDevices(const std::vector<std::string>& claims);
 
 }  // namespace hddp

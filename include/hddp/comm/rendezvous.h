@@ -3,13 +3,15 @@
 // `initFromEnv()` detects the launch (detectLaunch), then connects: rank 0 hosts a
 // TCPStore at MASTER_ADDR:MASTER_PORT and the others join it (with
 // TORCHELASTIC_USE_AGENT_STORE=True every rank is a client of torchrun's agent store,
-// under /worker/attempt_<restart count>), checks that no two local ranks claim one CUDA
-// device, and creates the communicator.
+// under /worker/attempt_<restart count>), exchanges the ranks' device claims so that
+// every rank agrees on one backend (hddp/comm/devices.h) and no two local ranks claim
+// one CUDA device, and creates the communicator.
 #pragma once
 
 #include <memory>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/devices.h"
 #include "hddp/comm/launch.h"
 #include "hddp/comm/store.h"
 
@@ -29,5 +31,13 @@ struct DistributedContext {
 /// Detects the launch, connects to the store and creates the communicator. Sets the
 /// log rank. Blocks until every rank has joined (or throws hddp::TimeoutError).
 DistributedContext initFromEnv(const InitOptions& options = {});
+
+/// Publishes `mine` in `store` for round `round` (initFromEnv: the restart count) and
+/// returns every rank's claim, indexed by rank; blocks until all have published (or
+/// throws hddp::TimeoutError after `timeout`).
+std::vector<RankDeviceClaim> exchangeDeviceClaims(Store& store, int rank, int worldSize,
+                                                  const RankDeviceClaim& mine,
+                                                  const std::string& round,
+                                                  std::chrono::milliseconds timeout);
 
 }  // namespace hddp

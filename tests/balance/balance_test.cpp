@@ -102,6 +102,26 @@ TEST(SplitSolver, ProportionalToSpeedAndDeterministic) {
   EXPECT_EQ(a.local, b.local);
 }
 
+// A CPU rank next to GPUs: 50x and 500x slower per sample. It gets a few samples or
+// none, the split still adds up, and it is the best split (against brute force).
+TEST(SplitSolver, RanksTensOfTimesApartGetAFewSamplesOrNone) {
+  for (const double ratio : {50.0, 500.0}) {
+    std::vector<RankCost> ranks(3);
+    ranks[0].secondsPerSample = 1e-4;
+    ranks[1].secondsPerSample = 1.5e-4;
+    ranks[2].secondsPerSample = 1e-4 * ratio;
+    ranks[2].fixedSeconds = 1e-3;
+    const BatchPlan plan = hddp::solveSplit(ranks, 64);
+    EXPECT_EQ(plan.local[0] + plan.local[1] + plan.local[2], 64);
+    EXPECT_LE(plan.local[2], ratio < 100 ? 1 : 0) << plan.describe();
+    EXPECT_NEAR(plan.predictedStepSeconds, bruteForce(ranks, 64), 1e-12) << plan.describe();
+  }
+  std::vector<RankCost> two(2);
+  two[0].secondsPerSample = 1e-4;
+  two[1].secondsPerSample = 5e-3;  // 50x
+  EXPECT_EQ(hddp::solveSplit(two, 256).local, (std::vector<int64_t>{251, 5}));
+}
+
 TEST(SplitSolver, ScaleAndEqualSplits) {
   EXPECT_EQ(hddp::equalSplit(3, 10).local, (std::vector<int64_t>{4, 3, 3}));
   BatchPlan p;

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
@@ -521,6 +522,66 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
   // being no estimate before it), so the calibration sees its emulated speed.
   EXPECT_GT(firstStepDelay[1], 100.0);
   EXPECT_EQ(firstStepDelay.count(0), 0u);
+}
+
+// A rank 60 times slower than the other (a CPU rank next to a GPU): the planner gives it
+// a few samples or none, every global batch is still trained whole, and the result is
+// that of one device training on the whole batches.
+TEST(Trainer, ARankSixtyTimesSlowerGetsAFewSamplesAndTheResultStaysExact) {
+  auto train = [](int size, double slowdown, std::vector<int64_t>* plan) {
+    std::vector<at::Tensor> params;
+    runThreads(size, [&](int rank, int n, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, n);
+      torch::nn::Sequential model{nullptr};
+      {
+        static std::mutex seeding;  // the ranks are threads sharing one generator
+        std::lock_guard<std::mutex> lock(seeding);
+        torch::manual_seed(5);
+        model = torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(64, 16),
+                                      torch::nn::ReLU(), torch::nn::Linear(16, 4));
+      }
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      hddp::TrainerOptions o;
+      o.globalBatch = 64;
+      o.epochs = 3;
+      o.maxSteps = 24;
+      o.progress = hddp::ProgressMode::Off;
+      o.planner.calibrationSteps = 2;
+      o.planner.rebalanceEvery = 4;
+      hddp::EmulationOptions slow;
+      slow.slowdown = rank == 1 ? slowdown : 1.0;
+      o.emulation = slow;
+      auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4, 3);
+      // 0.2 ms per sample (a sleep), so that compute grows with the batch on shared cores.
+      auto forward = [&model](const at::Tensor& x) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200 * x.size(0)));
+        return model->forward(x);
+      };
+      hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
+      const auto summary = trainer.fit();
+      EXPECT_EQ(summary.steps, 24);
+      if (rank == 0) {
+        for (const auto& p : model->parameters()) {
+          params.push_back(p.detach().clone());
+        }
+        if (plan) {
+          *plan = trainer.planner()->plan().local;
+        }
+      }
+    });
+    return params;
+  };
+  std::vector<int64_t> plan;
+  const auto split = train(2, 60.0, &plan);
+  const auto single = train(1, 1.0, nullptr);
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0] + plan[1], 64);
+  EXPECT_LE(plan[1], 3) << "plan [" << plan[0] << ", " << plan[1] << "]";
+  ASSERT_EQ(split.size(), single.size());
+  for (size_t i = 0; i < split.size(); ++i) {
+    EXPECT_LT((split[i] - single[i]).abs().max().item<double>(), 1e-5)
+        << "parameter " << i << ": " << (split[i] - single[i]).abs().max().item<double>();
+  }
 }
 
 // Rank 1 "runs out of memory" above 20 samples (emulated: c10::OutOfMemoryError in

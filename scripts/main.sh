@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # The main job from nothing: setup (only what is missing), build, then ResNet-20 on
-# Fashion-MNIST with 2 CPU ranks launched by hddp-run, ending with the test accuracy.
+# Fashion-MNIST launched by hddp-run, ending with the test accuracy. It uses what the
+# machine has (scripts/lib/main-plan.sh): one rank per visible GPU (NCCL), or 2 CPU
+# ranks (Gloo) when there is none; HDDP_MAIN_GPUS=0 keeps a GPU machine on its CPU.
+# HDDP_FASHION_MNIST points at the data where Debian's package is not installed.
 # Extra arguments go to the trainer and override the defaults below (e.g. --epochs 3).
 # No augmentation: in a 2-epoch run it slows convergence (0.899 with, 0.914 without;
 # docs/benchmarks.md); the longer documented run uses it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/lib/main-plan.sh
 export HDDP_PYTHON=${HDDP_PYTHON:-$(scripts/setup.sh)}
 BUILD=$(scripts/build.sh)
 start=$(date +%s)
-"$BUILD/tools/hddp-run/hddp-run" --nproc-per-node 2 -- "$BUILD/examples/resnet/train_resnet" \
-  --model resnet20 --dataset fashion-mnist --data /usr/share/datasets/fashion-mnist \
+gpus=$(main_gpu_count)
+launch=$(main_launch_args "$gpus")
+main_describe "$gpus"
+# shellcheck disable=SC2086  # $launch is a list of hddp-run flags
+"$BUILD/tools/hddp-run/hddp-run" $launch -- "$BUILD/examples/resnet/train_resnet" \
+  --model resnet20 --dataset fashion-mnist --data "${HDDP_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}" \
   --epochs 2 --global-batch 128 --lr 0.1 --warmup-epochs 0.1 --no-augment --workers 1 \
   --progress lines "$@"
 echo "main job: $(($(date +%s) - start)) s from launch to the last line" \

@@ -18,6 +18,11 @@ cd "$(dirname "$0")/.."
 PY=${HDDP_PYTHON:-python3}
 DEPS=${HDDP_DEVICE_DEPS:-$PWD/.device-deps}
 BUILD=${HDDP_BUILD_DIR:-build-gpu}
+# Fashion-MNIST carried along (cp -r /usr/share/datasets/fashion-mnist .device-deps/),
+# for bench/gpu-trainers.sh, bench/gpu-mixed.sh and scripts/main.sh.
+if [ -z "${HDDP_FASHION_MNIST:-}" ] && [ -d "$DEPS/fashion-mnist" ]; then
+  export HDDP_FASHION_MNIST="$DEPS/fashion-mnist"
+fi
 JOBS=${HDDP_JOBS:-$(nproc)}
 status=0
 step() {  # step NAME SECONDS command...
@@ -49,7 +54,7 @@ if [ -x "$BUILD/tests/hddp_tests" ]; then
 fi
 for b in bench/gpu-*.sh; do
   [ -e "$b" ] || continue
-  step "$(basename "$b" .sh)" 180 bash "$b" "$BUILD" "$OUT"
+  step "$(basename "$b" .sh)" 300 bash "$b" "$BUILD" "$OUT"
 done
 cat "$OUT/summary.txt"
 exit $status

@@ -1,9 +1,12 @@
-// NCCL communicator on a real GPU (world size 1 on a single-GPU machine), and several
-// ranks sharing one GPU through Gloo's staging path. Skipped without CUDA.
+// NCCL communicator on a real GPU (world size 1 on a single-GPU machine), several
+// ranks sharing one GPU through Gloo's staging path, and a GPU rank with a CPU rank in
+// one job. Skipped without CUDA.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/rendezvous.h"
+#include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/core/error.h"
 #include "support/ranks.h"
 
@@ -47,6 +50,63 @@ TEST(Nccl, GlooStagesCudaTensorsForRanksSharingOneGpu_CUDA) {
     EXPECT_TRUE(t.cpu().equal(torch::full({1000}, 3.0f)));
     comm->broadcast(t, 1).wait();
   });
+}
+
+// A GPU rank and a CPU rank (hddp-run --devices cuda:0,cpu): the job agrees on Gloo,
+// the GPU rank's CUDA tensors go through host memory, and a weighted DDP step over an
+// uneven split [3, 5] gives both ranks the gradient of one device on all 8 samples.
+TEST(Nccl, GlooServesAGpuRankAndACpuRankInOneJob_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  torch::manual_seed(3);
+  auto reference = torch::nn::Linear(6, 2);
+  const auto x = torch::randn({8, 6});
+  const auto y = torch::randn({8, 2});
+  torch::mse_loss(reference->forward(x), y).backward();
+  const auto want = reference->weight.grad().clone();
+  std::vector<at::Tensor> grads(2);
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    const c10::Device device = rank == 0 ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+    hddp::RankDeviceClaim mine;
+    mine.host = "h";
+    mine.device = device.str();
+    mine.ncclAvailable = true;
+    const auto claims =
+        hddp::exchangeDeviceClaims(store, rank, size, mine, "mixed", std::chrono::seconds(60));
+    const auto agreed = hddp::agreeOnBackend(claims);
+    ASSERT_EQ(agreed.backend, hddp::Backend::Gloo) << agreed.reason;
+    hddp::CommunicatorOptions opts;
+    opts.backend = agreed.backend;
+    opts.device = device;
+    auto comm = hddp::makeCommunicator(store, rank, size, opts);
+    auto t = torch::full({1000}, float(rank + 1), torch::TensorOptions().device(device));
+    comm->allreduce(t).wait();
+    EXPECT_TRUE(t.cpu().equal(torch::full({1000}, 3.0f)));
+    auto b = rank == 0 ? torch::arange(16, torch::TensorOptions().device(device)).to(at::kFloat)
+                       : torch::zeros({16});
+    comm->broadcast(b, 0).wait();
+    EXPECT_TRUE(b.cpu().equal(torch::arange(16).to(at::kFloat)));
+
+    auto model = torch::nn::Linear(6, 2);
+    {
+      torch::NoGradGuard g;
+      model->weight.copy_(reference->weight);
+      model->bias.copy_(reference->bias);
+    }
+    model->to(device);
+    hddp::DistributedDataParallel ddp(model, *comm);
+    const int64_t start = rank == 0 ? 0 : 3;
+    const int64_t n = rank == 0 ? 3 : 5;
+    ddp.setBatch(n, 8);
+    torch::mse_loss(model->forward(x.narrow(0, start, n).to(device)),
+                    y.narrow(0, start, n).to(device))
+        .backward();
+    ddp.finalize();
+    grads[rank] = model->weight.grad().cpu();
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(grads[r].defined());
+    EXPECT_LT((grads[r] - want).abs().max().item<double>(), 1e-5) << "rank " << r;
+  }
 }
 
 }  // namespace

@@ -30,16 +30,21 @@ int freePort() {
   return ntohs(addr.sin_port);
 }
 
+// torchrun's variables for this child, meeting at a free port rank 0 picks.
+void setTorchrunEnvironment(int rank, int size, hddp::Store& store) {
+  if (rank == 0) {
+    store.set("port", std::to_string(freePort()));
+  }
+  const std::string port = store.getString("port");
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", port.c_str(), 1);
+}
+
 TEST(Processes, InitFromEnvTorchrunStyle) {
   auto outcomes = runProcesses(3, [](int rank, int size, hddp::Store& store) {
-    if (rank == 0) {
-      store.set("port", std::to_string(freePort()));
-    }
-    const std::string port = store.getString("port");
-    setenv("RANK", std::to_string(rank).c_str(), 1);
-    setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", port.c_str(), 1);
+    setTorchrunEnvironment(rank, size, store);
     auto ctx = hddp::initFromEnv();
     EXPECT_EQ(ctx.rank(), rank);
     EXPECT_EQ(ctx.worldSize(), size);
@@ -60,14 +65,7 @@ void expectEveryRankFailsAtOnce(const std::string& wish, const std::string& why)
   auto outcomes = runProcesses(
       2,
       [&wish](int rank, int size, hddp::Store& store) {
-        if (rank == 0) {
-          store.set("port", std::to_string(freePort()));
-        }
-        const std::string port = store.getString("port");
-        setenv("RANK", std::to_string(rank).c_str(), 1);
-        setenv("WORLD_SIZE", std::to_string(size).c_str(), 1);
-        setenv("MASTER_ADDR", "127.0.0.1", 1);
-        setenv("MASTER_PORT", port.c_str(), 1);
+        setTorchrunEnvironment(rank, size, store);
         if (rank == 1) {
           const auto eq = wish.find('=');
           setenv(wish.substr(0, eq).c_str(), wish.substr(eq + 1).c_str(), 1);

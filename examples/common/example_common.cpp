@@ -18,6 +18,7 @@
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/topology/topology.h"
 
 namespace hddp {
 namespace examples {
@@ -51,8 +52,10 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
       ->check(cli::nonNegative())
       ->capture_default_str();
   app.add_option("--amp", f.amp,
-                 "Mixed precision: off, bf16 (CPU and CUDA) or fp16 (CUDA, dynamic loss scaling)")
-      ->check(CLI::IsMember({"off", "bf16", "fp16"}))
+                 "Mixed precision: off, bf16 (CPU and CUDA; float32 where the device lacks "
+                 "native bf16), fp16 (CUDA, dynamic loss scaling) or auto (bf16 where native, "
+                 "else off)")
+      ->check(CLI::IsMember({"off", "bf16", "fp16", "auto"}))
       ->capture_default_str();
   app.add_flag("--checkpoint-activations", f.checkpointActivations,
                "Recompute blocks in backward instead of storing their activations");
@@ -151,7 +154,15 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   o.epochs = f.epochs;
   o.maxSteps = f.maxSteps;
   o.seed = f.seed;
-  o.amp = parseAmpMode(f.amp);
+  if (f.amp == "auto") {
+    // bf16 where the device computes it natively, else float32.
+    const Bf16Support bf16 = bf16Support(ctx.device);
+    o.amp = bf16.native ? AmpMode::Bf16 : AmpMode::Off;
+    HDDP_LOG_INFO("train", "--amp auto on ", ctx.device.str(), ": ",
+                  bf16.native ? "bf16" : "float32", " (", bf16.why, ")");
+  } else {
+    o.amp = parseAmpMode(f.amp);
+  }
   HDDP_CHECK_AS(ConfigError, !(o.amp == AmpMode::Fp16 && !ctx.device.is_cuda()),
                 "--amp fp16 needs a CUDA device (this rank runs on ", ctx.device.str(),
                 "); use --amp bf16 on CPU");

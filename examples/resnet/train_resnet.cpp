@@ -215,7 +215,7 @@ int run(int argc, char** argv) {
   ex::installEvaluation(trainer, flags, [&]() -> std::map<std::string, double> {
     namespace F = torch::nn::functional;
     auto sums = ex::evaluateSharded(  // [loss sum, correct, samples]
-        trainer, *ctx.communicator, *d.test, flags.evalBatch, options.amp, 3,
+        trainer, *ctx.communicator, *d.test, flags.evalBatch, trainer.ampMode(), 3,
         [&](const at::Tensor& x, const at::Tensor& y) {
           auto logits = net->forward(x).to(at::kFloat);
           return torch::stack(

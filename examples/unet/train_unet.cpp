@@ -158,7 +158,7 @@ int run(int argc, char** argv) {
   ex::installEvaluation(trainer, flags, [&]() -> std::map<std::string, double> {
     namespace F = torch::nn::functional;
     auto s = ex::evaluateSharded(
-        trainer, *ctx.communicator, *test, flags.evalBatch, options.amp, 3 + 3 * k,
+        trainer, *ctx.communicator, *test, flags.evalBatch, trainer.ampMode(), 3 + 3 * k,
         [&](const at::Tensor& x, const at::Tensor& y) {
           auto logits = net->forward(x).to(at::kFloat);
           auto pred = logits.argmax(1);

@@ -61,6 +61,12 @@ std::vector<Variable> makeRegistry() {
        "Device of the ranks: one for all (cpu, cuda, cuda:N) or one per local rank "
        "(cuda:0,cpu); empty = cuda:<local rank> with CUDA, else cpu. hddp-run --devices sets it.",
        {}},
+      {"HDDP_BF16_FALLBACK",
+       Type::Bool,
+       "true",
+       "bf16 asked for on a device without native bf16 (a CPU without avx512_bf16/amx_bf16): "
+       "train in float32 instead, as emulated bf16 is slower. 0 keeps bf16.",
+       {}},
       {"HDDP_ALLOW_SHARED_DEVICE",
        Type::Bool,
        "false",

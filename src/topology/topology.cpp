@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <sstream>
 
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -154,6 +155,43 @@ Bandwidth measureBandwidth(const c10::Device& device, const BandwidthOptions& op
   bw.hostToDeviceGBps = static_cast<double>(bytes) / bestIn / 1e9;
   bw.deviceToHostGBps = static_cast<double>(bytes) / bestOut / 1e9;
   return bw;
+}
+
+Bf16Support cpuBf16Support(const std::string& cpuinfo) {
+  std::istringstream lines(cpuinfo);
+  for (std::string line; std::getline(lines, line);) {
+    const auto colon = line.find(':');
+    const std::string key = line.substr(0, line.find_first_of(" \t:"));
+    if (colon == std::string::npos || (key != "flags" && key != "Features")) {
+      continue;
+    }
+    std::istringstream flags(line.substr(colon + 1));
+    for (std::string flag; flags >> flag;) {
+      if (flag == "avx512_bf16" || flag == "amx_bf16" || flag == "bf16") {
+        return {true, flag};
+      }
+    }
+    return {false, key == "flags" ? "no avx512_bf16 or amx_bf16 among the CPU's flags"
+                                  : "no bf16 among the CPU's features"};
+  }
+  return {false, "no CPU flags found"};
+}
+
+Bf16Support bf16Support(const c10::Device& device) {
+  if (device.is_cuda()) {
+    const int index = device.has_index() ? device.index() : 0;
+    if (index >= detail::cudaDeviceCount()) {
+      return {false, "no such CUDA device"};
+    }
+    const DeviceInfo info = detail::cudaDeviceInfo(index);
+    const std::string capability = "compute capability " + std::to_string(info.computeMajor) + "." +
+                                   std::to_string(info.computeMinor);
+    return {info.computeMajor >= 8, capability};
+  }
+  std::ifstream in("/proc/cpuinfo");
+  std::stringstream text;
+  text << in.rdbuf();
+  return cpuBf16Support(text.str());
 }
 
 }  // namespace hddp

@@ -25,6 +25,7 @@
 #include "example_common.h"
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
+#include "hddp/topology/topology.h"
 #include "support/ranks.h"
 
 namespace fs = std::filesystem;
@@ -44,13 +45,16 @@ struct RunResult {
 };
 
 // Runs `program args` on `ranks` ranks (hddp-run for 2+) with metrics into a temp dir.
-RunResult runTrainer(const std::string& program, const std::string& args, int ranks = 1) {
+// `env` comes before the command: by default bf16 stays bf16 on a CPU without native
+// bf16 (HDDP_BF16_FALLBACK=0), so that the bf16 runs test bf16 on every machine.
+RunResult runTrainer(const std::string& program, const std::string& args, int ranks = 1,
+                     const std::string& env = "HDDP_BF16_FALLBACK=0") {
   const std::string dir = hddp::testing::makeTempDir();
   const std::string metrics = dir + "/metrics.jsonl";
   const std::string log = dir + "/out.log";
-  std::string cmd;
+  std::string cmd = env.empty() ? "" : env + " ";
   if (ranks > 1) {
-    cmd =
+    cmd +=
         hddp::testing::toolsDir() + "/hddp-run --nproc-per-node " + std::to_string(ranks) + " -- ";
   }
   cmd += program + " " + args + " --threads 1 --progress lines --metrics " + metrics + " > " + log +
@@ -216,6 +220,28 @@ TEST(ExampleTrainers, BadFlagsSayWhatIsWrong) {
   r = runTrainer(kResnet, "--dataset synthetic --device cuda:9");  // no machine has nine
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("is given cuda:9 by --device"), std::string::npos) << r.output;
+}
+
+// bf16 on a CPU without native bf16 trains in float32 and says so (emulated bf16 is
+// ~11x slower there); --amp auto picks bf16 only where it is native. The expectation
+// follows this machine's /proc/cpuinfo.
+TEST(ExampleTrainers, Bf16FallsBackToFloat32WhereTheCpuLacksIt) {
+  const auto bf16 = hddp::bf16Support(c10::Device(c10::kCPU));
+  auto r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp bf16", 1, "");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("so this rank trains in float32") != std::string::npos, !bf16.native)
+      << r.output;
+  EXPECT_EQ(r.output.find("bf16 natively (" + bf16.why + ")") != std::string::npos, bf16.native)
+      << r.output;
+  r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp auto", 1, "");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find(std::string("--amp auto on cpu: ") + (bf16.native ? "bf16" : "float32") +
+                          " (" + bf16.why + ")"),
+            std::string::npos)
+      << r.output;
+  r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp bf16", 1, "HDDP_BF16_FALLBACK=0");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output.find("so this rank trains in float32"), std::string::npos) << r.output;
 }
 
 // Range checks used to print their bound as a 300-digit number.

@@ -101,6 +101,21 @@ TEST(Topology, RemovablePortCountsAsExternal) {
   ASSERT_TRUE(hddp::externalReason(root, "0000:2c:00.0"));
 }
 
+TEST(Topology, Bf16IsNativeOnlyWithTheCpusBf16Instructions) {
+  const auto sapphire = hddp::cpuBf16Support(
+      "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_tile amx_bf16\n");
+  EXPECT_TRUE(sapphire.native);
+  EXPECT_EQ(sapphire.why, "avx512_bf16");
+  const auto epyc = hddp::cpuBf16Support("model name\t: AMD EPYC\nflags\t\t: fpu fma avx2\n");
+  EXPECT_FALSE(epyc.native);
+  EXPECT_EQ(epyc.why, "no avx512_bf16 or amx_bf16 among the CPU's flags");
+  EXPECT_TRUE(hddp::cpuBf16Support("Features\t: fp asimd bf16 i8mm\n").native);  // Arm
+  EXPECT_FALSE(hddp::cpuBf16Support("Features\t: fp asimd\n").native);
+  EXPECT_FALSE(hddp::cpuBf16Support("").native);
+  // A device that is not there has no bf16.
+  EXPECT_FALSE(hddp::bf16Support(c10::Device(c10::kCUDA, 99)).native);
+}
+
 TEST(Topology, MachineWithoutGpu) {
   const std::string root = hddp::testing::makeTempDir();
   EXPECT_FALSE(hddp::readPcieLink(root, "0000:01:00.0"));

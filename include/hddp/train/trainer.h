@@ -63,6 +63,11 @@ struct TrainerOptions {
   /// Shuffle and augmentation seed (the sampler's and the loader's). Default 0.
   uint64_t seed = 0;
   AmpMode amp = AmpMode::Off;
+  /// With amp = Bf16 on a device that lacks native bfloat16 (a CPU without avx512_bf16,
+  /// amx_bf16 or Arm bf16; a GPU before compute capability 8.0), train in float32 and
+  /// log it: emulated bf16 is slower than float32. false keeps bf16 anyway. Default:
+  /// HDDP_BF16_FALLBACK (true).
+  std::optional<bool> bf16Fallback;
   /// Clip the global gradient norm to this value after unscaling; 0 = off. Default 0.
   double clipGradNorm = 0.0;
   /// Split the global batch by measured speed (BatchPlanner); false = equal split as
@@ -189,6 +194,9 @@ class Trainer {
   DistributedDataParallel& ddp();
   /// Null when options.balance is false.
   BatchPlanner* planner();
+  /// The mixed precision this rank trains with: TrainerOptions::amp, or float32 where
+  /// bf16 was asked for on a device without native bf16 (bf16Fallback).
+  AmpMode ampMode() const;
   /// The split the next step uses: the planner's, or the equal split without balancing.
   /// Spread other per-rank work like it with shardOf (hddp/balance/batch_plan.h).
   BatchPlan plan() const;

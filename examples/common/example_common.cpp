@@ -33,6 +33,11 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--max-steps", f.maxSteps, "Stop after this many steps in total (0: no limit)")
       ->check(cli::nonNegative())
       ->capture_default_str();
+  app.add_option("--time-budget", f.timeBudget,
+                 "Stop training after this many seconds (0: no limit); the learning-rate "
+                 "schedule ends with it. The final evaluation comes after")
+      ->check(cli::nonNegative())
+      ->capture_default_str();
   app.add_option("--lr", f.lr, "Peak learning rate")->check(cli::positive())->capture_default_str();
   app.add_option("--schedule", f.schedule,
                  "Learning-rate schedule after warm-up: cosine (to 0), step (x0.1 at 50% and "
@@ -153,6 +158,7 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   o.globalBatch = f.globalBatch;
   o.epochs = f.epochs;
   o.maxSteps = f.maxSteps;
+  o.timeBudgetSeconds = f.timeBudget;
   o.seed = f.seed;
   if (f.amp == "auto") {
     // bf16 where the device computes it natively, else float32.
@@ -240,7 +246,10 @@ void installSchedule(Trainer& trainer, const CommonFlags& f, int64_t trainSample
   }
   const auto warmup = static_cast<int64_t>(std::llround(f.warmupEpochs * perEpoch));
   trainer.setSchedule([f, total, warmup](const StepInfo& info, torch::optim::Optimizer& opt) {
-    setLearningRate(opt, scheduledLearningRate(f, info.step, total, warmup));
+    // The Trainer's planned total: shorter than epochs x steps when a time budget ends
+    // the run earlier, so the schedule still reaches its end.
+    const int64_t planned = info.totalSteps > 0 ? std::min(total, info.totalSteps) : total;
+    setLearningRate(opt, scheduledLearningRate(f, info.step, planned, warmup));
   });
 }
 
@@ -347,7 +356,7 @@ void installEvaluation(Trainer& trainer, const CommonFlags& flags,
                        std::function<std::map<std::string, double>()> evaluate) {
   trainer.setEvaluation([&trainer, flags, evaluate = std::move(evaluate)](
                             int64_t epoch) -> std::map<std::string, double> {
-    const bool stopped = flags.maxSteps > 0 && trainer.step() >= flags.maxSteps;
+    const bool stopped = trainer.stoppedEarly();
     if (!evaluateThisEpoch(flags, epoch) && !stopped) {
       return {};  // the Trainer keeps the last evaluation
     }

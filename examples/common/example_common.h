@@ -36,6 +36,7 @@ struct CommonFlags {
   int64_t globalBatch = 128;
   int64_t epochs = 1;
   int64_t maxSteps = 0;
+  double timeBudget = 0.0;  // seconds; 0: no limit
   double lr = 0.1;
   std::string schedule = "cosine";  // cosine | step | constant
   double warmupEpochs = 0.0;

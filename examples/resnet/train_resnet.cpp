@@ -145,6 +145,7 @@ int run(int argc, char** argv) {
   double valFraction = 0.1;
   bool syncBn = false;
   bool noAugment = false;
+  bool evalFlip = false;
   // A flag given twice takes the last value (scripts append overrides to defaults).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   ex::CommonFlags flags;
@@ -172,6 +173,9 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--sync-bn", syncBn, "Batch-norm statistics over all ranks' samples");
   app.add_flag("--no-augment", noAugment, "No random crops or flips");
+  app.add_flag("--eval-flip", evalFlip,
+               "Evaluate on the mean of the logits of each test image and its mirror image "
+               "(test-time augmentation; for data whose classes are left-right symmetric)");
   flags.lr = 0.1;
   flags.epochs = 1;
   ex::addCommonFlags(app, flags);
@@ -218,6 +222,9 @@ int run(int argc, char** argv) {
         trainer, *ctx.communicator, *d.test, flags.evalBatch, trainer.ampMode(), 3,
         [&](const at::Tensor& x, const at::Tensor& y) {
           auto logits = net->forward(x).to(at::kFloat);
+          if (evalFlip) {
+            logits = 0.5 * (logits + net->forward(x.flip({3})).to(at::kFloat));
+          }
           return torch::stack(
               {F::cross_entropy(logits, y, F::CrossEntropyFuncOptions().reduction(torch::kSum)),
                logits.argmax(1).eq(y).sum().to(at::kFloat),

@@ -78,11 +78,11 @@ void Reporter::epoch(const EpochReport& r) {
 
 void Reporter::evaluationAtStop(int64_t epoch, int64_t step,
                                 const std::map<std::string, double>& metrics,
-                                const std::string& planText) {
+                                const std::string& planText, const std::string& stoppedBy) {
   nlohmann::json record{{"kind", "evaluation"}, {"rank", rank_}, {"epoch", epoch}, {"step", step}};
   std::ostringstream line;
   line.precision(4);
-  line << "step " << step << " (epoch " << epoch + 1 << ", stopped by maxSteps):";
+  line << "step " << step << " (epoch " << epoch + 1 << ", stopped by " << stoppedBy << "):";
   const char* sep = " ";
   for (const auto& [k, v] : metrics) {
     record[k] = v;

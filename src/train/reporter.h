@@ -66,7 +66,7 @@ class Reporter {
   void epoch(const EpochReport& report);
   /// An evaluation outside an epoch's end (maxSteps stopped the run inside one).
   void evaluationAtStop(int64_t epoch, int64_t step, const std::map<std::string, double>& metrics,
-                        const std::string& planText);
+                        const std::string& planText, const std::string& stoppedBy);
   void outOfMemory(const OutOfMemoryRecovery& recovery, int64_t epoch, int64_t step);
   void summary(const TrainSummary& summary, const std::map<std::string, double>& evaluation);
 

@@ -28,7 +28,8 @@ bool Trainer::Impl::runStep(const Batch& batch) {
                       batch.stepInEpoch,
                       batch.stepInEpoch + loader_->stepsLeftInEpoch(),
                       batch.share.localBatch,
-                      batch.share.globalBatch};
+                      batch.share.globalBatch,
+                      plannedSteps()};
   if (schedule_) {
     schedule_(info, optimizer_);
   }

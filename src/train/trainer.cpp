@@ -303,6 +303,11 @@ TrainSummary Trainer::Impl::fit() {
   TrainSummary summary;
   const auto start = Clock::now();
   const int64_t startStep = step_;
+  fitStart_ = start;
+  fitStartStep_ = step_;
+  budgetSteps_ = 0;
+  evaluationSeconds_ = 0;
+  stoppedEarly_ = false;
   int64_t samples = 0;
   bool stopEarly = false;
   while (epoch_ < options_.epochs && !stopEarly) {
@@ -318,8 +323,10 @@ TrainSummary Trainer::Impl::fit() {
     const auto epochStart = Clock::now();
     int64_t epochSteps = 0;
     for (;;) {
-      if (options_.maxSteps > 0 && step_ >= options_.maxSteps) {
+      if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
+          (budgetSteps_ > 0 && step_ >= budgetSteps_)) {
         stopEarly = true;
+        stoppedEarly_ = true;
         break;
       }
       const auto waitStart = Clock::now();
@@ -333,6 +340,9 @@ TrainSummary Trainer::Impl::fit() {
       }
       samples += batch->share.globalBatch;
       ++epochSteps;
+      if (options_.timeBudgetSeconds > 0) {
+        updateTimeBudget();
+      }
       if (options_.saveEvery > 0 && step_ % options_.saveEvery == 0) {
         summary.lastStateFile = saveMidEpoch();
         lastSaved_ = step_;
@@ -350,10 +360,15 @@ TrainSummary Trainer::Impl::fit() {
     }
   }
   if (stopEarly) {
-    // maxSteps ended the run inside an epoch: evaluate what was trained.
+    // maxSteps or the time budget ended the run inside an epoch: evaluate what was
+    // trained.
     const auto evaluation = evaluate();
     if (!evaluation.empty()) {
-      reporter_.evaluationAtStop(epoch_, step_, evaluation, currentPlan().describe());
+      reporter_.evaluationAtStop(epoch_, step_, evaluation, currentPlan().describe(),
+                                 budgetSteps_ > 0 && step_ >= budgetSteps_ &&
+                                         !(options_.maxSteps > 0 && step_ >= options_.maxSteps)
+                                     ? "the time budget"
+                                     : "maxSteps");
     }
     if (!options_.saveDir.empty() && lastSaved_ != step_) {
       summary.lastStateFile = save();
@@ -373,12 +388,52 @@ TrainSummary Trainer::Impl::fit() {
   return summary;
 }
 
+int64_t Trainer::Impl::plannedSteps() const {
+  const int64_t n = loader_->dataset().size();
+  const int64_t g = options_.globalBatch;
+  const int64_t perEpoch = options_.loader.sampler.dropLast ? n / g : (n + g - 1) / g;
+  int64_t total = perEpoch * options_.epochs;
+  if (options_.maxSteps > 0) {
+    total = std::min(total, options_.maxSteps);
+  }
+  if (budgetSteps_ > 0) {
+    total = std::min(total, budgetSteps_);
+  }
+  return total;
+}
+
+void Trainer::Impl::updateTimeBudget() {
+  constexpr int64_t kEvery = 10;
+  const int64_t done = step_ - fitStartStep_;
+  if (done < kEvery || done % kEvery != 0) {
+    return;
+  }
+  // The slowest rank's clock decides, and every rank derives the same step from the
+  // same allreduced numbers.
+  const double elapsed = seconds(fitStart_, Clock::now());
+  at::Tensor t = at::tensor({elapsed, elapsed - evaluationSeconds_}, at::kDouble).to(device_);
+  comm_.allreduce(t, {ReduceOp::Max}).wait();
+  t = t.cpu();
+  const double elapsedMax = t[0].item<double>();
+  const double perStep = t[1].item<double>() / static_cast<double>(done);
+  const double left = options_.timeBudgetSeconds - elapsedMax;
+  const int64_t more = perStep > 0 && left > 0 ? static_cast<int64_t>(left / perStep) : 0;
+  const bool first = budgetSteps_ == 0;
+  budgetSteps_ = std::max<int64_t>(step_, step_ + more);
+  if (first) {
+    HDDP_LOG_INFO("train", "time budget ", options_.timeBudgetSeconds, " s: ", perStep * 1e3,
+                  " ms per step after ", done, " steps, so ", plannedSteps(),
+                  " steps in all (re-measured every ", kEvery, " steps)");
+  }
+}
+
 std::map<std::string, double> Trainer::Impl::evaluate() {
   if (!evaluation_) {
     return {};
   }
   const auto e0 = Clock::now();
   auto evaluation = evaluation_(epoch_);
+  evaluationSeconds_ += seconds(e0, Clock::now());
   timeline_.add("evaluation", e0, Clock::now(), step_);
   model_->train();
   if (!evaluation.empty()) {
@@ -477,6 +532,8 @@ DistributedDataParallel& Trainer::ddp() { return *impl_->ddp_; }
 BatchPlanner* Trainer::planner() { return impl_->planner_.get(); }
 
 AmpMode Trainer::ampMode() const { return impl_->options_.amp; }
+
+bool Trainer::stoppedEarly() const { return impl_->stoppedEarly_; }
 BatchPlan Trainer::plan() const { return impl_->currentPlan(); }
 GradScaler& Trainer::scaler() { return *impl_->scaler_; }
 PrefetchLoader& Trainer::loader() { return *impl_->loader_; }

@@ -92,6 +92,17 @@ class Trainer::Impl {
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;
+  bool stoppedEarly_ = false;
+  // The time budget (TrainerOptions::timeBudgetSeconds): the step at which it ends the
+  // run (0: not measured yet), fit()'s start, and the seconds spent in evaluations.
+  int64_t budgetSteps_ = 0;
+  Clock::time_point fitStart_;
+  int64_t fitStartStep_ = 0;
+  double evaluationSeconds_ = 0;
+  /// Steps planned in all (StepInfo::totalSteps).
+  int64_t plannedSteps() const;
+  /// Every 10 steps with a time budget: the ranks agree on the step that ends the run.
+  void updateTimeBudget();
   bool midEpoch_ = false;
   bool resumed_ = false;
   int64_t lastSaved_ = -1;

@@ -584,6 +584,52 @@ TEST(Trainer, ARankSixtyTimesSlowerGetsAFewSamplesAndTheResultStaysExact) {
   }
 }
 
+// A time budget ends the run at the last step that fits, the same step on every rank
+// (the slower rank's clock decides), and the schedule sees the shortened total.
+TEST(Trainer, ATimeBudgetEndsTheRunOnTimeOnEveryRankAndTheScheduleKnows) {
+  std::vector<hddp::TrainSummary> summaries(2);
+  std::vector<int64_t> lastTotal(2, 0);
+  std::vector<int64_t> lastStep(2, 0);
+  std::vector<int> stopEvaluations(2, 0);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model;
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 32;
+    o.epochs = 50;  // 1000 steps: far more than the budget allows
+    o.balance = false;
+    o.progress = hddp::ProgressMode::Off;
+    o.timeBudgetSeconds = 1.5;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
+    // Rank 1 takes 1 ms per sample, rank 0 half that: ~16 ms per step.
+    auto forward = [&model, rank](const at::Tensor& x) {
+      std::this_thread::sleep_for(std::chrono::microseconds((rank + 1) * 500 * x.size(0)));
+      return model->forward(x);
+    };
+    hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
+    trainer.setSchedule([&](const hddp::StepInfo& info, torch::optim::Optimizer&) {
+      lastTotal[rank] = info.totalSteps;
+      lastStep[rank] = info.step;
+    });
+    trainer.setEvaluation([&](int64_t) -> std::map<std::string, double> {
+      stopEvaluations[rank] += trainer.stoppedEarly() ? 1 : 0;
+      return {{"x", 1.0}};
+    });
+    summaries[rank] = trainer.fit();
+  });
+  EXPECT_EQ(summaries[0].steps, summaries[1].steps);
+  EXPECT_GT(summaries[0].steps, 10);    // the budget is measured after 10 steps
+  EXPECT_LT(summaries[0].steps, 1000);  // and it ended the run
+  EXPECT_LT(summaries[1].seconds, 1.5 + 1.0) << "the run overran its budget";
+  EXPECT_GT(summaries[1].seconds, 0.5 * 1.5) << "the run stopped long before its budget";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(lastStep[r] + 1, summaries[r].totalSteps);
+    EXPECT_EQ(lastTotal[r], summaries[r].totalSteps) << "the schedule saw another total";
+    EXPECT_EQ(stopEvaluations[r], 1);
+  }
+}
+
 // Rank 1 "runs out of memory" above 20 samples (emulated: c10::OutOfMemoryError in
 // forward). Every rank abandons those steps together, rank 1's cap is learned, the
 // same samples are trained again under the new split, and the cap is kept in the state.

@@ -60,6 +60,13 @@ struct TrainerOptions {
   int64_t epochs = 1;
   /// Stop after this many steps in total (0: when the epochs are done). Default 0.
   int64_t maxSteps = 0;
+  /// Train for at most this many seconds of fit() (0: no limit), evaluations during the
+  /// run included, the final one not: every 10 steps the ranks agree (one 16-byte
+  /// allreduce) on the slowest rank's seconds per training step, and the run stops at
+  /// the last step that fits. StepInfo::totalSteps follows, so a schedule that reads it
+  /// (the example trainers' cosine) ends on time. Not kept in state files: a resumed
+  /// run has the whole budget again. Default 0.
+  double timeBudgetSeconds = 0;
   /// Shuffle and augmentation seed (the sampler's and the loader's). Default 0.
   uint64_t seed = 0;
   AmpMode amp = AmpMode::Off;
@@ -145,6 +152,9 @@ struct StepInfo {
   int64_t stepsPerEpoch = 0;  // at the current plan (the last step may be partial)
   int64_t localBatch = 0;
   int64_t globalBatch = 0;
+  /// Steps the run is planned to have in all: epochs x steps per epoch, capped by
+  /// maxSteps and, once measured, by the time budget.
+  int64_t totalSteps = 0;
 };
 
 struct TrainSummary {
@@ -191,6 +201,9 @@ class Trainer {
 
   int64_t step() const;
   int64_t epoch() const;
+  /// True once maxSteps or the time budget has ended the run before its epochs (so an
+  /// evaluation callback knows the run is ending).
+  bool stoppedEarly() const;
   DistributedDataParallel& ddp();
   /// Null when options.balance is false.
   BatchPlanner* planner();

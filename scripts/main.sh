@@ -5,8 +5,11 @@
 # ranks (Gloo) when there is none; HDDP_MAIN_GPUS=0 keeps a GPU machine on its CPU.
 # HDDP_FASHION_MNIST points at the data where Debian's package is not installed.
 # Extra arguments go to the trainer and override the defaults below (e.g. --epochs 3).
-# No augmentation: in a 2-epoch run it slows convergence (0.899 with, 0.914 without;
-# docs/benchmarks.md); the longer documented run uses it.
+# The defaults fit the 300-second goal on any machine: bf16 where the CPU or GPU has it
+# natively (--amp auto), as many steps as 270 s of training allow (--time-budget; the
+# cosine schedule ends with them), one evaluation at the end. No augmentation: in a
+# 2-epoch run it slows convergence (0.899 with, 0.914 without; docs/benchmarks.md),
+# and so does evaluating on mirror images too (--eval-flip: 0.903 against 0.914).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/main-plan.sh
@@ -19,7 +22,8 @@ main_describe "$gpus"
 # shellcheck disable=SC2086  # $launch is a list of hddp-run flags
 "$BUILD/tools/hddp-run/hddp-run" $launch -- "$BUILD/examples/resnet/train_resnet" \
   --model resnet20 --dataset fashion-mnist --data "${HDDP_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}" \
-  --epochs 2 --global-batch 128 --lr 0.1 --warmup-epochs 0.1 --no-augment --workers 1 \
+  --amp auto --time-budget 270 --epochs 15 --eval-every 15 \
+  --global-batch 128 --lr 0.1 --warmup-epochs 0.1 --no-augment --workers 1 \
   --progress lines "$@"
 echo "main job: $(($(date +%s) - start)) s from launch to the last line" \
-  "(goal for the defaults: test accuracy >= 0.90 within 300 s on 2 cores)"
+  "(goal for the defaults: test accuracy >= 0.93 within 300 s on 2 cores)"

@@ -218,19 +218,27 @@ int run(int argc, char** argv) {
   ex::installSchedule(trainer, flags, d.train->size());
   ex::installEvaluation(trainer, flags, [&]() -> std::map<std::string, double> {
     namespace F = torch::nn::functional;
-    auto sums = ex::evaluateSharded(  // [loss sum, correct, samples]
-        trainer, *ctx.communicator, *d.test, flags.evalBatch, trainer.ampMode(), 3,
+    // [loss sum, correct, samples, correct without the mirror image]
+    auto sums = ex::evaluateSharded(
+        trainer, *ctx.communicator, *d.test, flags.evalBatch, trainer.ampMode(), 4,
         [&](const at::Tensor& x, const at::Tensor& y) {
-          auto logits = net->forward(x).to(at::kFloat);
+          const auto plain = net->forward(x).to(at::kFloat);
+          auto logits = plain;
           if (evalFlip) {
-            logits = 0.5 * (logits + net->forward(x.flip({3})).to(at::kFloat));
+            logits = 0.5 * (plain + net->forward(x.flip({3})).to(at::kFloat));
           }
           return torch::stack(
               {F::cross_entropy(logits, y, F::CrossEntropyFuncOptions().reduction(torch::kSum)),
                logits.argmax(1).eq(y).sum().to(at::kFloat),
-               torch::scalar_tensor(static_cast<double>(y.size(0)), logits.options())});
+               torch::scalar_tensor(static_cast<double>(y.size(0)), logits.options()),
+               plain.argmax(1).eq(y).sum().to(at::kFloat)});
         });
-    return {{"test_acc", sums[1] / sums[2]}, {"test_loss", sums[0] / sums[2]}};
+    std::map<std::string, double> metrics{{"test_acc", sums[1] / sums[2]},
+                                          {"test_loss", sums[0] / sums[2]}};
+    if (evalFlip) {
+      metrics["test_acc_unflipped"] = sums[3] / sums[2];
+    }
+    return metrics;
   });
   auto summary = trainer.fit();
   if (ctx.rank() == 0) {

@@ -227,13 +227,13 @@ TEST(ExampleTrainers, BadFlagsSayWhatIsWrong) {
 // follows this machine's /proc/cpuinfo.
 TEST(ExampleTrainers, Bf16FallsBackToFloat32WhereTheCpuLacksIt) {
   const auto bf16 = hddp::bf16Support(c10::Device(c10::kCPU));
-  auto r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp bf16", 1, "");
+  auto r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp bf16", 1, "HDDP_LOG_LEVEL=info");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_EQ(r.output.find("so this rank trains in float32") != std::string::npos, !bf16.native)
       << r.output;
   EXPECT_EQ(r.output.find("bf16 natively (" + bf16.why + ")") != std::string::npos, bf16.native)
       << r.output;
-  r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp auto", 1, "");
+  r = runTrainer(kResnet, kTinyResnet + " --max-steps 2 --amp auto", 1, "HDDP_LOG_LEVEL=info");
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find(std::string("--amp auto on cpu: ") + (bf16.native ? "bf16" : "float32") +
                           " (" + bf16.why + ")"),

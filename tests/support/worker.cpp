@@ -111,13 +111,29 @@ int main(int argc, char** argv) {
         while (!(std::ifstream(pidFile) >> pid)) {
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
-        // Ended = a zombie not yet reaped, or gone.
+        // Ended = gone, or a zombie whose threads have all exited. The leader of a
+        // multi-threaded process shows "Z" while its other threads (Gloo's) still exit,
+        // and its parent can reap it only after the last one: leaving at the first "Z"
+        // let the launcher see this rank end first now and then.
         while (true) {
-          std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+          const std::string proc = "/proc/" + std::to_string(pid);
+          std::ifstream stat(proc + "/stat");
           std::string field;
           std::string state;
-          if (!(stat >> field >> field >> state) || state == "Z") {
+          if (!(stat >> field >> field >> state)) {
             break;
+          }
+          if (state == "Z") {
+            int threads = 0;
+            if (DIR* tasks = opendir((proc + "/task").c_str())) {
+              while (dirent* e = readdir(tasks)) {
+                threads += e->d_name[0] != '.' ? 1 : 0;
+              }
+              closedir(tasks);
+            }
+            if (threads <= 1) {
+              break;
+            }
           }
           std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }

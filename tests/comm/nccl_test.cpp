@@ -6,8 +6,8 @@
 
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/rendezvous.h"
-#include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/core/error.h"
+#include "hddp/ddp/distributed_data_parallel.h"
 #include "support/ranks.h"
 
 namespace {

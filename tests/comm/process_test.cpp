@@ -30,8 +30,10 @@ int freePort() {
   return ntohs(addr.sin_port);
 }
 
-// torchrun's variables for this child, meeting at a free port rank 0 picks.
+// torchrun's variables for this child, meeting at a free port rank 0 picks, on the CPU
+// (on a GPU machine the ranks would otherwise take cuda:<rank>).
 void setTorchrunEnvironment(int rank, int size, hddp::Store& store) {
+  setenv("HDDP_DEVICE", "cpu", 1);
   if (rank == 0) {
     store.set("port", std::to_string(freePort()));
   }
@@ -137,9 +139,11 @@ struct CommandResult {
   double seconds;
 };
 
+// The ranks run on the CPU on every machine (on a GPU machine they would otherwise take
+// cuda:<local rank>); --devices sets HDDP_DEVICE itself.
 CommandResult runCommand(const std::string& command) {
   const auto start = std::chrono::steady_clock::now();
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  FILE* pipe = popen(("export HDDP_DEVICE=cpu; " + command + " 2>&1").c_str(), "r");
   std::string output;
   std::array<char, 4096> buf{};
   while (pipe && fgets(buf.data(), buf.size(), pipe)) {

@@ -45,14 +45,15 @@ struct RunResult {
 };
 
 // Runs `program args` on `ranks` ranks (hddp-run for 2+) with metrics into a temp dir.
-// `env` comes before the command: by default bf16 stays bf16 on a CPU without native
-// bf16 (HDDP_BF16_FALLBACK=0), so that the bf16 runs test bf16 on every machine.
+// The ranks run on the CPU. `env` comes before the command: by default bf16 stays bf16
+// on a CPU without native bf16 (HDDP_BF16_FALLBACK=0), so that the bf16 runs test bf16
+// on every machine.
 RunResult runTrainer(const std::string& program, const std::string& args, int ranks = 1,
                      const std::string& env = "HDDP_BF16_FALLBACK=0") {
   const std::string dir = hddp::testing::makeTempDir();
   const std::string metrics = dir + "/metrics.jsonl";
   const std::string log = dir + "/out.log";
-  std::string cmd = env.empty() ? "" : env + " ";
+  std::string cmd = "HDDP_DEVICE=cpu " + env + " ";  // CPU ranks on a GPU machine too
   if (ranks > 1) {
     cmd +=
         hddp::testing::toolsDir() + "/hddp-run --nproc-per-node " + std::to_string(ranks) + " -- ";

@@ -54,7 +54,7 @@ if [ -x "$BUILD/tests/hddp_tests" ]; then
 fi
 for b in bench/gpu-*.sh; do
   [ -e "$b" ] || continue
-  step "$(basename "$b" .sh)" 300 bash "$b" "$BUILD" "$OUT"
+  step "$(basename "$b" .sh)" 480 bash "$b" "$BUILD" "$OUT"
 done
 cat "$OUT/summary.txt"
 exit $status

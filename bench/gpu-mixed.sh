@@ -12,13 +12,7 @@ OUT=${2:?usage: bench/gpu-mixed.sh BUILD_DIR OUT_DIR}
 PY=${HDDP_PYTHON:-python3}
 RUN="$BUILD/tools/hddp-run/hddp-run"
 R="$BUILD/examples/resnet/train_resnet"
-FM=${HDDP_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}
-if [ -e "$FM/train-images-idx3-ubyte.gz" ] || [ -e "$FM/train-images-idx3-ubyte" ]; then
-  DATA=(--dataset fashion-mnist --data "$FM")
-else
-  echo "no Fashion-MNIST at $FM: synthetic data instead (accuracy is not comparable)"
-  DATA=(--dataset synthetic --image-size 28 --channels 1)
-fi
+source "$(dirname "$0")/lib/fashion-mnist.sh"
 JOB=(--model resnet20 "${DATA[@]}" --epochs 1 --global-batch 128 --lr 0.1 --warmup-epochs 0.1
   --no-augment --workers 2 --progress lines)
 status=0

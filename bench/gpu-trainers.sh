@@ -9,13 +9,7 @@ BUILD=${1:?usage: bench/gpu-trainers.sh BUILD_DIR OUT_DIR}
 OUT=${2:?usage: bench/gpu-trainers.sh BUILD_DIR OUT_DIR}
 R="$BUILD/examples/resnet/train_resnet"
 U="$BUILD/examples/unet/train_unet"
-FM=${HDDP_FASHION_MNIST:-/usr/share/datasets/fashion-mnist}
-if [ -e "$FM/train-images-idx3-ubyte.gz" ] || [ -e "$FM/train-images-idx3-ubyte" ]; then
-  DATA=(--dataset fashion-mnist --data "$FM")
-else
-  echo "no Fashion-MNIST at $FM: synthetic data instead"
-  DATA=(--dataset synthetic --image-size 28 --channels 1)
-fi
+source "$(dirname "$0")/lib/fashion-mnist.sh"
 COMMON=(--progress lines --workers 4 --threads 4)
 "$R" "${DATA[@]}" "${COMMON[@]}" --epochs 2 --amp fp16 --metrics "$OUT/resnet20-fp16.jsonl"
 "$R" "${DATA[@]}" "${COMMON[@]}" --epochs 2 --amp bf16 --metrics "$OUT/resnet20-bf16.jsonl"

@@ -64,10 +64,33 @@ struct BlockImpl : nn::Module {
 };
 TORCH_MODULE(Block);
 
+// x + body(x), two 3x3 conv-norm-ReLU layers (the residual of ResNet-9).
+struct ResidualImpl : nn::Module {
+  ResidualImpl(int64_t channels, bool sync) {
+    nn::Sequential b;
+    for (int i = 0; i < 2; ++i) {
+      b->push_back(conv(channels, channels, 3, 1));
+      addNorm(b, channels, sync);
+      b->push_back(nn::ReLU(true));
+    }
+    body = register_module("body", b);
+  }
+  torch::Tensor forward(torch::Tensor x) { return x + body->forward(x); }
+  nn::Sequential body{nullptr};
+};
+TORCH_MODULE(Residual);
+
+void addConvNormRelu(nn::Sequential& seq, int64_t in, int64_t out, bool sync) {
+  seq->push_back(conv(in, out, 3, 1));
+  addNorm(seq, out, sync);
+  seq->push_back(nn::ReLU(true));
+}
+
 }  // namespace
 
 bool isResNetArch(const std::string& arch) {
-  for (const char* a : {"resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}) {
+  for (const char* a :
+       {"resnet9", "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}) {
     if (arch == a) {
       return true;
     }
@@ -77,10 +100,15 @@ bool isResNetArch(const std::string& arch) {
 
 ResNetImpl::ResNetImpl(const ResNetOptions& o) {
   HDDP_CHECK(isResNetArch(o.arch), "unknown ResNet '", o.arch,
-             "'; use resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50");
+             "'; use resnet9, resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50");
   HDDP_CHECK(o.inChannels > 0 && o.numClasses > 1 && o.imageSize >= 8,
              "bad ResNet options: ", o.inChannels, " input channels, ", o.numClasses, " classes, ",
              o.imageSize, " px");
+  checkpoint_ = o.checkpointActivations;
+  if (o.arch == "resnet9") {
+    buildResNet9(o);
+    return;
+  }
   std::vector<int64_t> blocks;
   std::vector<int64_t> widths;
   bool bottleneck = false;
@@ -117,7 +145,35 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     stages_.push_back(register_module("stage" + std::to_string(s + 1), stage));
   }
   fc_ = register_module("fc", nn::Linear(in, o.numClasses));
-  checkpoint_ = o.checkpointActivations;
+  initConvs();
+}
+
+void ResNetImpl::buildResNet9(const ResNetOptions& o) {
+  // Page's ResNet-9 (DAWNBench, 2018) at a quarter of its width: stem 16; stages of
+  // 32 (+ residual), 64, 128 (+ residual), each a conv and a 2x2 max-pool; global
+  // max-pool. Half of ResNet-20's multiply-adds at 28 px, in 8 conv layers against 19.
+  const bool sync = o.syncBatchNorm;
+  nn::Sequential stem;
+  addConvNormRelu(stem, o.inChannels, 16, sync);
+  stages_.push_back(register_module("stem", stem));
+  const int64_t widths[] = {32, 64, 128};
+  int64_t in = 16;
+  for (int s = 0; s < 3; ++s) {
+    nn::Sequential stage;
+    addConvNormRelu(stage, in, widths[s], sync);
+    stage->push_back(nn::MaxPool2d(nn::MaxPool2dOptions(2)));
+    if (s != 1) {
+      stage->push_back(Residual(widths[s], sync));
+    }
+    in = widths[s];
+    stages_.push_back(register_module("stage" + std::to_string(s + 1), stage));
+  }
+  fc_ = register_module("fc", nn::Linear(in, o.numClasses));
+  maxPoolHead_ = true;
+  initConvs();
+}
+
+void ResNetImpl::initConvs() {
   for (auto& m : modules(/*include_self=*/false)) {
     if (auto* c = m->as<nn::Conv2d>()) {
       nn::init::kaiming_normal_(c->weight, 0.0, torch::kFanOut, torch::kReLU);
@@ -131,6 +187,15 @@ torch::Tensor ResNetImpl::forward(torch::Tensor x) {
       x = stages_[s]->forward(x);
       continue;
     }
+    if (maxPoolHead_) {  // ResNet-9: a stage is a few layers, recomputed whole
+      torch::nn::SequentialImpl* stage = stages_[s].get();
+      x = checkpoint(
+          [stage](const std::vector<torch::Tensor>& in) {
+            return std::vector<torch::Tensor>{stage->forward(in[0])};
+          },
+          {x}, stage->parameters())[0];
+      continue;
+    }
     for (size_t b = 0; b < stages_[s]->size(); ++b) {
       auto block = stages_[s]->ptr(b);
       auto* impl = stages_[s][b]->as<BlockImpl>();
@@ -141,7 +206,9 @@ torch::Tensor ResNetImpl::forward(torch::Tensor x) {
           {x}, block->parameters())[0];
     }
   }
-  x = torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1);
+  x = (maxPoolHead_ ? std::get<0>(torch::adaptive_max_pool2d(x, {1, 1}))
+                    : torch::adaptive_avg_pool2d(x, {1, 1}))
+          .flatten(1);
   return fc_->forward(x);
 }
 

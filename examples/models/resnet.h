@@ -1,5 +1,7 @@
 // ResNets for the examples and benchmarks.
 //   CIFAR-style (He et al. 2016, section 4.2): ResNet-20/32/56, 3 stages of 16/32/64.
+//   ResNet-9 (Page 2018, the DAWNBench CIFAR-10 net) at a quarter of its width, for
+//   small images on CPUs: 8 conv layers, 2 residuals, max-pools.
 //   ImageNet-style: ResNet-18/34 (basic blocks), ResNet-50 (bottlenecks); with a CIFAR
 //   stem (3x3 conv, no max-pool) for inputs of 64 px or less, the ImageNet stem
 //   (7x7/2 conv + max-pool) otherwise.
@@ -17,7 +19,7 @@ namespace hddp {
 namespace models {
 
 struct ResNetOptions {
-  /// resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50.
+  /// resnet9, resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50.
   std::string arch = "resnet18";
   int64_t inChannels = 3;
   int64_t numClasses = 10;
@@ -39,8 +41,12 @@ class ResNetImpl : public torch::nn::Module {
   const std::vector<torch::nn::Sequential>& stages() const { return stages_; }
 
  private:
+  void buildResNet9(const ResNetOptions& options);
+  void initConvs();
+
   std::vector<torch::nn::Sequential> stages_;
   bool checkpoint_ = false;
+  bool maxPoolHead_ = false;
   torch::nn::Linear fc_{nullptr};
 };
 TORCH_MODULE(ResNet);

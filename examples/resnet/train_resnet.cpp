@@ -149,9 +149,11 @@ int run(int argc, char** argv) {
   // A flag given twice takes the last value (scripts append overrides to defaults).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   ex::CommonFlags flags;
-  app.add_option("--model", model, "resnet20, resnet32, resnet56, resnet18, resnet34, resnet50")
+  app.add_option("--model", model,
+                 "resnet9, resnet20, resnet32, resnet56, resnet18, resnet34, resnet50")
       ->check(
-          CLI::IsMember({"resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}))
+          CLI::IsMember(
+              {"resnet9", "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}))
       ->capture_default_str();
   app.add_option("--dataset", dataset, "fashion-mnist, mnist, cifar10, folder or synthetic")
       ->check(CLI::IsMember({"fashion-mnist", "mnist", "cifar10", "folder", "synthetic"}))

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -68,6 +69,23 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
                 " samples) with dropLast: no step would run");
   HDDP_CHECK_AS(ConfigError, o.amp != AmpMode::Fp16 || comm.device().is_cuda(),
                 "fp16 mixed precision needs a CUDA device; on CPU use bf16");
+}
+
+// How often the launcher restarted this program: TORCHELASTIC_RESTART_COUNT (hddp-run,
+// torchrun) or SLURM_RESTART_COUNT (a requeued Slurm job); 0 when neither is set.
+int launcherRestartCount() {
+  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+    if (const char* text = std::getenv(name)) {
+      char* end = nullptr;
+      const long n = std::strtol(text, &end, 10);
+      HDDP_CHECK_AS(ConfigError, end != text && *end == '\0' && n >= 0, name, "='", text,
+                    "' is not a restart count (a whole number >= 0)");
+      if (n > 0) {
+        return static_cast<int>(n);
+      }
+    }
+  }
+  return 0;
 }
 
 }  // namespace
@@ -290,8 +308,15 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
-  if (!options_.resume.empty()) {
-    load(options_.resume);
+  std::string resume = options_.resume;
+  const int restarts = launcherRestartCount();
+  if (resume.empty() && restarts > 0 && options_.resumeOnRestart && !options_.saveDir.empty()) {
+    HDDP_LOG_INFO("train", "restart ", restarts, " by the launcher: resuming from the newest state in ",
+                  options_.saveDir);
+    resume = options_.saveDir;
+  }
+  if (!resume.empty()) {
+    load(resume);
   }
   reporter_ = train::Reporter(options_.metricsPath, comm_.rank(), /*append=*/resumed_,
                               options_.progress != ProgressMode::Off,
@@ -504,6 +529,11 @@ std::string Trainer::Impl::saveMidEpoch() {
 
 void Trainer::Impl::load(const std::string& fileOrDirectory) {
   const auto loaded = train::loadState(stateParts(), fileOrDirectory, options_.globalBatch);
+  if (loaded.path.empty()) {
+    HDDP_LOG_INFO("train", "no state file in ", fileOrDirectory,
+                  " (missing or empty folder): starting fresh");
+    return;
+  }
   step_ = loaded.meta.step;
   epoch_ = loaded.meta.epoch;
   midEpoch_ = loaded.meta.midEpoch;

@@ -128,7 +128,12 @@ std::string chooseStateFile(Communicator& comm, const std::string& fileOrDirecto
   std::string chosen;
   std::string problem;
   if (comm.rank() == 0) {
-    if (std::filesystem::is_directory(fileOrDirectory)) {
+    std::error_code ec;
+    const bool exists = std::filesystem::exists(fileOrDirectory, ec);
+    const bool isFile = std::filesystem::path(fileOrDirectory).extension() == ".hddp";
+    if (!exists && !isFile) {
+      chosen.clear();  // a save folder not made yet: nothing to resume, start fresh
+    } else if (std::filesystem::is_directory(fileOrDirectory, ec)) {
       auto files = listStateFiles(fileOrDirectory);
       for (auto it = files.rbegin(); it != files.rend() && chosen.empty(); ++it) {
         try {
@@ -138,8 +143,10 @@ std::string chooseStateFile(Communicator& comm, const std::string& fileOrDirecto
           HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
         }
       }
-      if (chosen.empty()) {
-        problem = "no valid state file (state-NNNNNNNN.hddp) in " + fileOrDirectory;
+      if (chosen.empty() && !files.empty()) {
+        problem = "none of the " + std::to_string(files.size()) +
+                  " state files (state-NNNNNNNN.hddp) in " + fileOrDirectory +
+                  " is valid (see the warnings above); move them away to start fresh";
       }
     } else {
       chosen = fileOrDirectory;
@@ -233,6 +240,9 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   LoadedState loaded;
   loaded.path = chooseStateFile(parts.comm, fileOrDirectory);
   const std::string& path = loaded.path;
+  if (path.empty()) {
+    return loaded;  // an empty or missing folder: nothing to resume
+  }
   std::string payload;
   try {
     payload = readStateFile(path);

@@ -371,6 +371,58 @@ TEST(Trainer, CorruptStateFileIsReportedAndSkippedInADirectory) {
   });
 }
 
+TEST(Trainer, AnEmptyOrMissingFolderStartsFreshAndARestartResumesByItself) {
+  const std::string dir = hddp::testing::makeTempDir();
+  fs::create_directories(dir + "/empty");
+  for (const std::string& nothing : {dir + "/empty", dir + "/not-made-yet"}) {
+    runThreads(1, [&](int rank, int size, hddp::Store& store) {
+      auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+        o.resume = nothing;  // what `--save-dir D --resume D` gives at the first start
+        o.saveDir = dir + "/run";
+        o.saveEvery = 2;
+        o.maxSteps = 4;
+      });
+      EXPECT_EQ(s.steps, 4) << nothing;
+      EXPECT_EQ(s.totalSteps, 4) << nothing;
+    });
+  }
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {  // a missing file stays an error
+    const std::string message = stateError([&] {
+      trainRun(rank, size, store,
+               [&](hddp::TrainerOptions& o) { o.resume = dir + "/state-00000009.hddp"; });
+    });
+    EXPECT_NE(message.find("state-00000009.hddp"), std::string::npos) << message;
+  });
+  // Restarted by a launcher (TORCHELASTIC_RESTART_COUNT > 0) without --resume: from the
+  // newest state in saveDir, unless resumeOnRestart is off (then from step 0, saving 6).
+  setenv("TORCHELASTIC_RESTART_COUNT", "1", 1);
+  for (bool resumeOnRestart : {false, true}) {
+    runThreads(1, [&](int rank, int size, hddp::Store& store) {
+      auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+        o.saveDir = dir + "/run";
+        o.resumeOnRestart = resumeOnRestart;
+        o.maxSteps = resumeOnRestart ? 8 : 6;
+      });
+      EXPECT_EQ(s.steps, resumeOnRestart ? 2 : 6);
+      EXPECT_EQ(s.totalSteps, resumeOnRestart ? 8 : 6);
+    });
+  }
+  unsetenv("TORCHELASTIC_RESTART_COUNT");
+  // A folder whose every state file is damaged is not "empty": it is an error.
+  for (const auto& f : hddp::listStateFiles(dir + "/run")) {
+    std::fstream damaged(f, std::ios::in | std::ios::out | std::ios::binary);
+    damaged.seekg(100);
+    const char byte = static_cast<char>(damaged.get() ^ 0x5a);
+    damaged.seekp(100);
+    damaged.put(byte);
+  }
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    const std::string message = stateError(
+        [&] { trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.resume = dir + "/run"; }); });
+    EXPECT_NE(message.find("is valid"), std::string::npos) << message;
+  });
+}
+
 TEST(Trainer, LearnsAndWritesMetricsAndTimeline) {
   const std::string dir = hddp::testing::makeTempDir();
   std::vector<hddp::TrainSummary> summaries(2);

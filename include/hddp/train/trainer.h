@@ -114,6 +114,10 @@ struct TrainerOptions {
   /// Resume from a state file, or from the newest valid one in a directory; "" = start
   /// fresh. Default "".
   std::string resume;
+  /// When the launcher restarted this program (TORCHELASTIC_RESTART_COUNT > 0, as
+  /// hddp-run --max-restarts and torchrun set it) and `resume` is empty, resume from the
+  /// newest valid state in saveDir (starting fresh when it holds none). Default true.
+  bool resumeOnRestart = true;
   /// Memory caps given per rank: the most samples rank r may get in a step (0 = no
   /// cap); empty = none. With balancing the planner keeps every share within its cap;
   /// with the equal split a share above its cap is a ConfigError.

@@ -398,26 +398,92 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
     const double* w = window.data_ptr<double>() + 5 * i;
     state.window.push_back(RankEstimator::Sample{w[0], w[1], w[2], w[3], w[4]});
   }
+  state.costs = readCosts(shared);
+  restore(state);
+}
+
+void BatchPlanner::loadRemapped(torch::serialize::InputArchive& shared,
+                                torch::serialize::InputArchive* own,
+                                const std::vector<int>& fromSaved) {
+  HDDP_CHECK_AS(ConfigError, static_cast<int>(fromSaved.size()) == comm_.size(),
+                "loadRemapped: a saved rank for each of the ", comm_.size(), " ranks, not ",
+                fromSaved.size());
+  const std::vector<RankCost> saved = readCosts(shared);
+  const at::Tensor step = readEntry(shared, "step");
+  HDDP_CHECK_AS(StateError, step.numel() == 1, "the planner's state has a malformed step");
+  // A newcomer is costed at the mean of the others (or its seed) until it is measured.
+  double perSample = 0;
+  double fixed = 0;
+  int known = 0;
+  for (int from : fromSaved) {
+    if (from >= 0 && from < static_cast<int>(saved.size()) &&
+        saved[static_cast<size_t>(from)].secondsPerSample > 0) {
+      perSample += saved[static_cast<size_t>(from)].secondsPerSample;
+      fixed += saved[static_cast<size_t>(from)].fixedSeconds;
+      ++known;
+    }
+  }
+  std::vector<RankCost> costs(fromSaved.size());
+  bool allKnown = true;
+  for (size_t r = 0; r < fromSaved.size(); ++r) {
+    const int from = fromSaved[r];
+    if (from >= 0 && from < static_cast<int>(saved.size())) {
+      costs[r] = saved[static_cast<size_t>(from)];
+      continue;
+    }
+    allKnown = false;
+    if (r < costs_.size()) {
+      costs[r] = costs_[r];  // the seed (topology, calibration), if there was one
+    }
+    if (!(costs[r].secondsPerSample > 0) && known > 0) {
+      costs[r].secondsPerSample = perSample / known;
+      costs[r].fixedSeconds = fixed / known;
+    }
+  }
+  std::vector<RankEstimator::Sample> window;
+  if (own) {
+    const at::Tensor w = readEntry(*own, "window");
+    for (int64_t i = 0; w.dim() == 2 && w.size(1) == 5 && i < w.size(0); ++i) {
+      const double* v = w.data_ptr<double>() + 5 * i;
+      window.push_back(RankEstimator::Sample{v[0], v[1], v[2], v[3], v[4]});
+    }
+  }
+  bool costed = true;
+  for (const auto& c : costs) {
+    costed = costed && c.secondsPerSample > 0;
+  }
+  plan_ = costed ? solveWithMinimum(costs, options_.globalBatch, options_.minLocalBatch)
+                 : equalSplit(comm_.size(), options_.globalBatch);
+  step_ = step.item<int64_t>();
+  costs_ = costs;
+  estimator_.restore({window.begin(), window.end()});
+  measured_ = allKnown && costed && step_ >= firstUpdate();
+  HDDP_LOG_INFO(
+      "balance", "resumed at step ", step_, " with ", comm_.size(), " ranks (", saved.size(),
+      " saved): plan ", plan_.describe(),
+      allKnown ? std::string() : std::string(", newcomers measured from the next update"));
+}
+
+std::vector<RankCost> BatchPlanner::readCosts(torch::serialize::InputArchive& shared) const {
+  std::vector<RankCost> out;
   const at::Tensor costs = readEntry(shared, "costs");
   HDDP_CHECK_AS(StateError,
                 costs.dim() == 2 && costs.size(1) == static_cast<int64_t>(kRankCostFields),
                 "the planner's costs have shape ", costs.sizes(),
                 ", not [ranks, 5] (written by an older hddp?)");
   for (int64_t i = 0; i < costs.size(0); ++i) {
-    state.costs.push_back(
+    out.push_back(
         costFromFields(costs.data_ptr<double>() + static_cast<int64_t>(kRankCostFields) * i));
   }
   const at::Tensor caps = readEntry(shared, "caps");
-  if (caps.numel() == comm_.size()) {
-    state.costs.resize(static_cast<size_t>(comm_.size()));
-    for (int64_t i = 0; i < caps.numel(); ++i) {
-      const int64_t cap = caps.data_ptr<int64_t>()[i];
-      if (cap >= 0) {
-        state.costs[static_cast<size_t>(i)].maxSamples = cap;
-      }
+  out.resize(std::max<size_t>(out.size(), static_cast<size_t>(caps.numel())));
+  for (int64_t i = 0; i < caps.numel(); ++i) {
+    const int64_t cap = caps.data_ptr<int64_t>()[i];
+    if (cap >= 0) {
+      out[static_cast<size_t>(i)].maxSamples = cap;
     }
   }
-  restore(state);
+  return out;
 }
 
 }  // namespace hddp

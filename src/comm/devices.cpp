@@ -109,17 +109,19 @@ c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allow
   if (cudaDeviceCount <= 0) {
     return c10::Device(c10::kCPU);
   }
-  if (info.localRank >= cudaDeviceCount) {
-    HDDP_CHECK_AS(ConfigError, allowShared, "local rank ", info.localRank,
-                  " needs cuda:", info.localRank, " but only ", cudaDeviceCount,
-                  " CUDA device(s) are visible. Start at most ", cudaDeviceCount,
+  const int index = info.slot >= 0 ? info.slot : info.localRank;
+  const std::string who =
+      info.slot >= 0 ? c10::str("slot ", index) : c10::str("local rank ", index);
+  if (index >= cudaDeviceCount) {
+    HDDP_CHECK_AS(ConfigError, allowShared, who, " needs cuda:", index, " but only ",
+                  cudaDeviceCount, " CUDA device(s) are visible. Start at most ", cudaDeviceCount,
                   " ranks per node (--nproc-per-node), give each rank its device "
                   "(hddp-run --devices cuda:0,cpu or HDDP_DEVICE), check "
                   "CUDA_VISIBLE_DEVICES, or set HDDP_ALLOW_SHARED_DEVICE=1 to share devices "
                   "over Gloo (testing only)");
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info.localRank % cudaDeviceCount));
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index % cudaDeviceCount));
   }
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(info.localRank));
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 c10::Device resolveDevice(const LaunchInfo& info, const std::optional<c10::Device>& explicitDevice,

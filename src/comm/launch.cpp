@@ -312,7 +312,13 @@ LaunchInfo validated(Parsed p) {
 LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
   Parsed parsed = fromEnvironment(env);
   applyOptions(options, parsed);
-  return validated(std::move(parsed));
+  LaunchInfo info = validated(std::move(parsed));
+  if (find(env, "HDDP_SLOT")) {
+    info.slot = intVar(env, "HDDP_SLOT");
+    HDDP_CHECK_AS(ConfigError, info.slot >= 0, "HDDP_SLOT=", info.slot,
+                  " must be >= 0 (hddp-run sets it in an elastic job)");
+  }
+  return info;
 }
 
 }  // namespace hddp

@@ -308,11 +308,22 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
+  elastic_ = train::elasticFromEnv();
+  if (elastic_.enabled) {
+    train::watchReformRequests();
+    if (options_.saveDir.empty()) {
+      options_.saveDir = elastic_.dir;  // commits go where the launcher says
+    }
+    HDDP_CHECK_AS(ConfigError, !options_.saveDir.empty(),
+                  "an elastic job needs a folder for its commits: give saveDir (--save-dir) or "
+                  "run under hddp-run, which sets HDDP_ELASTIC_DIR");
+  }
   std::string resume = options_.resume;
   const int restarts = launcherRestartCount();
+  sampleLog_.open(comm_.rank(), restarts);
   if (resume.empty() && restarts > 0 && options_.resumeOnRestart && !options_.saveDir.empty()) {
-    HDDP_LOG_INFO("train", "restart ", restarts, " by the launcher: resuming from the newest state in ",
-                  options_.saveDir);
+    HDDP_LOG_INFO("train", "restart ", restarts,
+                  " by the launcher: resuming from the newest state in ", options_.saveDir);
     resume = options_.saveDir;
   }
   if (!resume.empty()) {
@@ -335,6 +346,9 @@ TrainSummary Trainer::Impl::fit() {
   stoppedEarly_ = false;
   int64_t samples = 0;
   bool stopEarly = false;
+  lastCommitTime_ = Clock::now();
+  lastCommitStep_ = step_;
+  nextCommit_ = step_ + commitEvery_;
   while (epoch_ < options_.epochs && !stopEarly) {
     model_->train();
     if (midEpoch_) {
@@ -365,12 +379,13 @@ TrainSummary Trainer::Impl::fit() {
       }
       samples += batch->share.globalBatch;
       ++epochSteps;
+      sampleLog_.write(step_, comm_.rank(), batch->share.indices);
       if (options_.timeBudgetSeconds > 0) {
         updateTimeBudget();
       }
-      if (options_.saveEvery > 0 && step_ % options_.saveEvery == 0) {
-        summary.lastStateFile = saveMidEpoch();
-        lastSaved_ = step_;
+      if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0
+                                 : elastic_.enabled && step_ >= nextCommit_) {
+        commit(summary);
       }
     }
     if (stopEarly) {
@@ -411,6 +426,40 @@ TrainSummary Trainer::Impl::fit() {
   }
   reporter_.summary(summary, lastEvaluation_);
   return summary;
+}
+
+void Trainer::Impl::commit(TrainSummary& summary) {
+  const auto t0 = Clock::now();
+  summary.lastStateFile = saveMidEpoch();
+  lastSaved_ = step_;
+  if (!elastic_.enabled) {
+    return;
+  }
+  // Agree on a re-form request (the launcher signals the ranks one by one) and on the
+  // next commit: the slowest commit against the slowest rank's wall time per step.
+  const double commitSeconds = seconds(t0, Clock::now());
+  const double stepSeconds = seconds(lastCommitTime_, t0) /
+                             static_cast<double>(std::max<int64_t>(1, step_ - lastCommitStep_));
+  at::Tensor t =
+      at::tensor({train::reformRequested() ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble)
+          .to(device_);
+  comm_.allreduce(t, {ReduceOp::Max}).wait();
+  t = t.cpu();
+  const int64_t every = train::commitInterval(t[1].item<double>(), t[2].item<double>());
+  if (every != commitEvery_) {
+    HDDP_LOG_DEBUG("train", "commits every ", every, " steps (a commit takes ",
+                   t[1].item<double>() * 1e3, " ms, a step ", t[2].item<double>() * 1e3, " ms)");
+  }
+  commitEvery_ = every;
+  nextCommit_ = step_ + commitEvery_;
+  lastCommitTime_ = Clock::now();
+  lastCommitStep_ = step_;
+  if (t[0].item<double>() > 0) {
+    HDDP_LOG_INFO("train", "elastic: committed step ", step_, " to ", summary.lastStateFile,
+                  "; leaving for the group to re-form (exit code ", train::kReformExitCode, ")");
+    std::fflush(nullptr);                // log lines and metrics are written through at once
+    std::_Exit(train::kReformExitCode);  // loader threads may be mid-batch: no unwinding
+  }
 }
 
 int64_t Trainer::Impl::plannedSteps() const {

@@ -11,6 +11,7 @@
 
 #include "hddp/train/timeline.h"
 #include "hddp/train/trainer.h"
+#include "train/elastic.h"
 #include "train/reporter.h"
 #include "train/trainer_state.h"
 
@@ -118,6 +119,17 @@ class Trainer::Impl {
   int64_t epochSamples_ = 0;
   double lastEpochLoss_ = 0;
   std::map<std::string, double> lastEvaluation_;
+
+  // ---- elastic membership (elastic.h) ------------------------------------------------
+  train::ElasticEnv elastic_;
+  int64_t commitEvery_ = 10;  // steps between commits (re-derived at each commit)
+  int64_t nextCommit_ = 0;
+  Clock::time_point lastCommitTime_;
+  int64_t lastCommitStep_ = 0;
+  train::SampleLog sampleLog_;
+  /// A commit: the state file, then (elastic) the ranks agree on a re-form request and
+  /// on the next commit step; leaves the process with kReformExitCode on a request.
+  void commit(TrainSummary& summary);
 };
 
 }  // namespace hddp

@@ -3,6 +3,7 @@
 #include <ATen/core/Generator.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
@@ -14,6 +15,7 @@
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/train/state_file.h"
+#include "train/elastic.h"
 
 namespace hddp {
 namespace train {
@@ -86,9 +88,17 @@ StateMeta decode(const at::Tensor& meta, const std::string& path) {
   return meta_;
 }
 
-// This rank's own part of the state: its RNGs and the planner's measurement window.
+// Who a rank is across generations of an elastic job: its launcher slot (HDDP_SLOT),
+// else -(rank + 1), so that without elasticity rank r is rank r.
+int64_t memberId(int rank) {
+  const ElasticEnv e = elasticFromEnv();
+  return e.slot >= 0 ? e.slot : -(static_cast<int64_t>(rank) + 1);
+}
+
+// This rank's own part of the state: who it is, its RNGs and the planner's window.
 std::vector<uint8_t> rankBlob(const StateParts& parts) {
   OutputArchive a;
+  a.write("member", at::tensor(std::vector<int64_t>{memberId(parts.comm.rank())}, at::kLong));
   a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));
   const c10::Device device = parts.comm.device();
   if (device.type() != c10::kCPU) {
@@ -104,22 +114,65 @@ std::vector<uint8_t> rankBlob(const StateParts& parts) {
   return std::vector<uint8_t>(bytes.begin(), bytes.end());
 }
 
+InputArchive savedBlob(InputArchive& file, int64_t index, const std::string& path) {
+  const std::string bytes = tensorBytes(readTensor(file, "rank" + std::to_string(index), path));
+  InputArchive blob;
+  blob.load_from(bytes.data(), bytes.size());
+  return blob;
+}
+
+// For each rank of this job, the saved rank it continues (the same member: slot or
+// rank), -1 for a newcomer. Collective.
+std::vector<int> matchMembers(const StateParts& parts, InputArchive& file, int64_t savedRanks,
+                              const std::string& path) {
+  std::vector<int64_t> saved;
+  for (int64_t i = 0; i < savedRanks; ++i) {
+    InputArchive blob = savedBlob(file, i, path);
+    at::Tensor member;
+    saved.push_back(blob.try_read("member", member) ? member.item<int64_t>() : -(i + 1));
+  }
+  at::Tensor mine = at::tensor(std::vector<int64_t>{memberId(parts.comm.rank())}, at::kLong);
+  const std::string bytes = std::to_string(mine.item<int64_t>());
+  const auto all = parts.comm.allgatherBytes(std::vector<uint8_t>(bytes.begin(), bytes.end()));
+  std::vector<int> from;
+  for (const auto& b : all) {
+    const int64_t id = std::stoll(std::string(b.begin(), b.end()));
+    const auto it = std::find(saved.begin(), saved.end(), id);
+    from.push_back(it == saved.end() ? -1 : static_cast<int>(it - saved.begin()));
+  }
+  return from;
+}
+
+// This rank's own part: its RNGs from the saved rank it continues (none for a newcomer,
+// which keeps its own), then the planner, remapped when the members changed.
 void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* plannerShared,
-                  const std::string& path) {
-  const std::string bytes =
-      tensorBytes(readTensor(file, "rank" + std::to_string(parts.comm.rank()), path));
+                  const std::vector<int>& from, int64_t savedRanks, const std::string& path) {
+  const int source = from[static_cast<size_t>(parts.comm.rank())];
+  bool same = savedRanks == static_cast<int64_t>(from.size());
+  for (size_t r = 0; r < from.size(); ++r) {
+    same = same && from[r] == static_cast<int>(r);
+  }
   InputArchive mine;
-  mine.load_from(bytes.data(), bytes.size());
-  setGeneratorState(at::detail::getDefaultCPUGenerator(), readTensor(mine, "cpu_rng", path));
-  const c10::Device device = parts.comm.device();
-  at::Tensor deviceRng;
-  if (device.type() != c10::kCPU && mine.try_read("device_rng", deviceRng)) {
-    setGeneratorState(at::globalContext().defaultGenerator(device), deviceRng);
+  InputArchive own;
+  const bool hasOwn = source >= 0;
+  if (hasOwn) {
+    mine = savedBlob(file, source, path);
+    setGeneratorState(at::detail::getDefaultCPUGenerator(), readTensor(mine, "cpu_rng", path));
+    const c10::Device device = parts.comm.device();
+    at::Tensor deviceRng;
+    if (device.type() != c10::kCPU && mine.try_read("device_rng", deviceRng)) {
+      setGeneratorState(at::globalContext().defaultGenerator(device), deviceRng);
+    }
   }
   if (parts.planner && plannerShared) {
-    InputArchive own;
-    readArchive(mine, "planner", own, path);
-    parts.planner->load(*plannerShared, own);
+    if (hasOwn) {
+      readArchive(mine, "planner", own, path);
+    }
+    if (same) {
+      parts.planner->load(*plannerShared, own);
+    } else {
+      parts.planner->loadRemapped(*plannerShared, hasOwn ? &own : nullptr, from);
+    }
   }
 }
 
@@ -257,9 +310,6 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   archive.load_from(payload.data(), payload.size());
   loaded.meta = decode(readTensor(archive, "meta", path), path);
   const StateMeta& meta = loaded.meta;
-  HDDP_CHECK_AS(StateError, meta.worldSize == parts.comm.size(), "state file ", path,
-                " was saved by ", meta.worldSize, " ranks; this job has ", parts.comm.size(),
-                ". Resume with the same number of ranks.");
   HDDP_CHECK_AS(StateError, meta.globalBatch == globalBatch, "state file ", path,
                 " was saved with global batch ", meta.globalBatch, "; this job uses ", globalBatch,
                 ". Resume with the same global batch.");
@@ -270,7 +320,18 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   if (parts.planner && !hasPlanner) {
     HDDP_LOG_INFO("train", path, " was saved with the equal split: the planner starts afresh");
   }
-  loadRankBlob(parts, archive, hasPlanner ? &plannerShared : nullptr, path);
+  const std::vector<int> from = matchMembers(parts, archive, meta.worldSize, path);
+  if (meta.worldSize != parts.comm.size() || std::count(from.begin(), from.end(), -1) > 0) {
+    std::string map;
+    for (size_t r = 0; r < from.size(); ++r) {
+      map += (r ? ", " : "") + std::to_string(r) + "<-" +
+             (from[r] < 0 ? std::string("new") : std::to_string(from[r]));
+    }
+    HDDP_LOG_INFO("train", path, " was saved by ", meta.worldSize, " ranks; it loads into ",
+                  parts.comm.size(), " (rank<-saved rank: ", map,
+                  "); the sampler goes on with the same global order");
+  }
+  loadRankBlob(parts, archive, hasPlanner ? &plannerShared : nullptr, from, meta.worldSize, path);
   return loaded;
 }
 

@@ -74,8 +74,10 @@ struct LoadedState {
 /// Loads `fileOrDirectory` (a directory: its newest valid state file, chosen by rank 0)
 /// into the parts (collective). A directory that is missing or holds no state file
 /// loads nothing and returns an empty path; one whose state files are all invalid is
-/// a StateError, as is a missing file (a path ending in .hddp). hddp::StateError when the file was saved by another
-/// number of ranks or another global batch, or does not fit the model or optimizer.
+/// a StateError, as is a missing file (a path ending in .hddp). A file saved by another
+/// number of ranks loads too: each rank continues the saved rank of its member (elastic
+/// slot, else rank), newcomers start from the others' estimates. hddp::StateError when
+/// the file was saved with another global batch, or does not fit the model or optimizer.
 LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
                       int64_t globalBatch);
 

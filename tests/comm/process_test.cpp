@@ -133,27 +133,7 @@ TEST(Processes, KilledRankMakesTheOthersRaiseWithinTheTimeout) {
   }
 }
 
-struct CommandResult {
-  int exitCode;
-  std::string output;
-  double seconds;
-};
-
-// The ranks run on the CPU on every machine (on a GPU machine they would otherwise take
-// cuda:<local rank>); --devices sets HDDP_DEVICE itself.
-CommandResult runCommand(const std::string& command) {
-  const auto start = std::chrono::steady_clock::now();
-  FILE* pipe = popen(("export HDDP_DEVICE=cpu; " + command + " 2>&1").c_str(), "r");
-  std::string output;
-  std::array<char, 4096> buf{};
-  while (pipe && fgets(buf.data(), buf.size(), pipe)) {
-    output += buf.data();
-  }
-  const int status = pipe ? pclose(pipe) : -1;
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output, seconds};
-}
+using hddp::testing::runCommand;
 
 std::string launcher() { return hddp::testing::toolsDir() + "/hddp-run"; }
 std::string worker() { return HDDP_TEST_WORKER; }

@@ -7,6 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -176,6 +179,20 @@ std::string makeTempDir() {
     throw std::runtime_error("mkdtemp failed");
   }
   return made;
+}
+
+CommandResult runCommand(const std::string& command) {
+  const auto start = std::chrono::steady_clock::now();
+  FILE* pipe = popen(("export HDDP_DEVICE=cpu; " + command + " 2>&1").c_str(), "r");
+  std::string output;
+  std::array<char, 4096> buf{};
+  while (pipe && fgets(buf.data(), buf.size(), pipe)) {
+    output += buf.data();
+  }
+  const int status = pipe ? pclose(pipe) : -1;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output, seconds};
 }
 
 }  // namespace testing

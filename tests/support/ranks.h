@@ -42,6 +42,17 @@ void expectAllSucceeded(const std::vector<ProcessOutcome>& outcomes);
 /// Path of the directory holding the built tools (hddp-run), set by CMake.
 std::string toolsDir();
 
+struct CommandResult {
+  int exitCode;
+  std::string output;  // stdout and stderr
+  double seconds;
+};
+
+/// Runs a shell command and collects its output. The ranks it starts run on the CPU on
+/// every machine (on a GPU machine they would otherwise take cuda:<local rank>);
+/// hddp-run --devices sets HDDP_DEVICE itself.
+CommandResult runCommand(const std::string& command);
+
 /// A fresh temporary directory (removed by the OS's tmp cleaning; tests keep it small).
 std::string makeTempDir();
 

@@ -6,6 +6,9 @@
 //   worker fail-once RANK CODE  like fail, but only when TORCHELASTIC_RESTART_COUNT is 0
 //   worker listening            after an allreduce, prints each TCP socket this process
 //                               listens on: "listen ADDR loopback" or "listen ADDR EXPOSED"
+//   worker elastic-train DIR    trains a small MLP with the Trainer (planner on, 150
+//                               steps of 24 samples, 40 ms of sleep in each forward);
+//                               rank 0 writes the parameters to DIR/final.pt
 //   worker cascade DIR          rank 1 writes its pid to DIR/pid, leaves a child that
 //                               holds its output open and kills itself (SIGKILL); rank 0 exits with
 //                               code 1 as soon as rank 1 has ended (as a peer that loses its
@@ -13,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <dirent.h>
 #include <signal.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -92,6 +96,37 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::minutes(10));  // hddp-run must stop us
         return 0;
       }
+    }
+    if (mode == "elastic-train") {
+      torch::manual_seed(7);  // one initial model (DDP broadcasts rank 0's anyway)
+      torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Linear(16, 32), torch::nn::Tanh(),
+                                torch::nn::Linear(32, 4));
+      torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+      hddp::TrainerOptions o;
+      o.globalBatch = 24;
+      o.epochs = 5;  // 720 samples: 30 steps per epoch
+      o.balance = true;
+      o.progress = hddp::ProgressMode::Off;
+      o.loader.workers = 0;
+      auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(720, 1, 4, 4, /*seed=*/1);
+      auto forward = [net](const torch::Tensor& x) mutable {
+        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+        return net->forward(x);
+      };
+      hddp::Trainer trainer(*ctx.communicator, net.ptr(), forward, hddp::crossEntropy(), opt, ds,
+                            o);
+      const auto summary = trainer.fit();
+      if (ctx.rank() == 0) {
+        std::vector<at::Tensor> params;
+        for (const auto& p : net->parameters()) {
+          params.push_back(p.detach().clone());
+        }
+        torch::save(params, std::string(argv[2]) + "/final.pt");
+      }
+      std::printf("trained %lld steps (%lld in this run)\n",
+                  static_cast<long long>(summary.totalSteps),
+                  static_cast<long long>(summary.steps));
+      return 0;
     }
     if (mode == "cascade") {
       const std::string pidFile = std::string(argv[2]) + "/pid";

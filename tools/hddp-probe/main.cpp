@@ -335,6 +335,47 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
   for (const auto& a : advice) std::printf("  - %s\n", a.c_str());
 }
 
+// --check-device: 0 when the device is there and runs a kernel, 1 when not, 2 on a bad
+// name.
+int checkDeviceAnswers(const std::string& name) {
+  const int cudaCount =
+      at::detail::getCUDAHooks().hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
+  c10::Device device(c10::kCPU);
+  try {
+    if (name.rfind("slot:", 0) == 0) {
+      hddp::LaunchInfo info;
+      info.slot = std::stoi(name.substr(5));
+      info.localRank = info.slot;
+      info.localWorldSize = info.slot + 1;
+      device = hddp::resolveDevice(info, std::nullopt, hddp::processEnvironment(), cudaCount,
+                                   /*allowShared=*/true);
+    } else {
+      device = hddp::parseDeviceName(name, "--check-device");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hddp-probe: --check-device %s: %s\n", name.c_str(), e.what());
+    return 2;
+  }
+  if (device.is_cpu()) {
+    std::printf("%s: cpu answers\n", name.c_str());
+    return 0;
+  }
+  if (device.index() >= cudaCount) {
+    std::printf("%s: %s is not visible (%d CUDA device(s))\n", name.c_str(), device.str().c_str(),
+                cudaCount);
+    return 1;
+  }
+  try {
+    at::Tensor t = at::ones({1024}, at::TensorOptions().device(device));
+    const double sum = t.sum().item<double>();  // runs a kernel and waits for it
+    std::printf("%s: %s answers (%g)\n", name.c_str(), device.str().c_str(), sum);
+    return sum == 1024 ? 0 : 1;
+  } catch (const std::exception& e) {
+    std::printf("%s: %s does not answer: %s\n", name.c_str(), device.str().c_str(), e.what());
+    return 1;
+  }
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -355,8 +396,16 @@ int run(int argc, char** argv) {
   app.add_option("--sysfs", o.sysfs, "sysfs root (for fixtures)")->capture_default_str();
   app.add_flag("--json", o.asJson, "Machine-readable output");
   app.add_flag("--no-bandwidth", o.skipBandwidth, "Skip the bandwidth measurement");
+  std::string checkDevice;
+  app.add_option("--check-device", checkDevice,
+                 "Only check that a device answers (exit 0) or not (exit 1): cpu, cuda:N, or "
+                 "slot:N for the device a rank of hddp-run's slot N takes (HDDP_DEVICE, else "
+                 "cuda:N with CUDA, else cpu); hddp-run's rejoin check");
   CLI11_PARSE(app, argc, argv);
   hddp::log::setLevel(hddp::log::Level::Warn);
+  if (!checkDevice.empty()) {
+    return checkDeviceAnswers(checkDevice);
+  }
 
   const bool hasCuda = at::detail::getCUDAHooks().hasCUDA();
   json out;

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -109,6 +110,7 @@ struct Stream {
 
 struct Rank {
   int globalRank = 0;
+  int slot = 0;  // the local slot (elastic: the same device across generations)
   pid_t pid = -1;
   bool running = false;
   int status = 0;
@@ -119,25 +121,43 @@ struct Rank {
 
 class Group {
  public:
-  Group(const LaunchConfig& config, int port, int restartCount)
-      : config_(config), port_(port), restartCount_(restartCount) {}
+  // `slots`: the local slots that run a rank this time (elastic mode), in rank order;
+  // empty: every local rank, as without elasticity.
+  Group(const LaunchConfig& config, int port, int restartCount, std::vector<int> slots = {},
+        std::string elasticDir = {})
+      : config_(config),
+        port_(port),
+        restartCount_(restartCount),
+        slots_(std::move(slots)),
+        elasticDir_(std::move(elasticDir)) {}
 
   bool start() {
-    const int world = config_.nnodes * config_.nprocPerNode;
-    for (int local = 0; local < config_.nprocPerNode; ++local) {
+    const bool elastic = config_.minProcs > 0;
+    if (!elastic) {
+      for (int local = 0; local < config_.nprocPerNode; ++local) {
+        slots_.push_back(local);
+      }
+    }
+    const int localRanks = static_cast<int>(slots_.size());
+    const int world = config_.nnodes * localRanks;
+    for (int index = 0; index < localRanks; ++index) {
+      const int slot = slots_[static_cast<size_t>(index)];
       Rank rank;
-      rank.globalRank = config_.nodeRank * config_.nprocPerNode + local;
+      rank.globalRank = config_.nodeRank * localRanks + index;
+      rank.slot = slot;
       int outPipe[2];
       int errPipe[2];
       if (pipe2(outPipe, O_CLOEXEC) != 0 || pipe2(errPipe, O_CLOEXEC) != 0) {
         say(std::string("cannot create pipes: ") + std::strerror(errno));
         return false;
       }
+      // Elastic: the ranks are numbered afresh each generation; HDDP_SLOT keeps each one
+      // on its slot's device (cuda:<slot>, or the slot's entry of --devices).
       std::vector<std::string> env = {
           "RANK=" + std::to_string(rank.globalRank),
           "WORLD_SIZE=" + std::to_string(world),
-          "LOCAL_RANK=" + std::to_string(local),
-          "LOCAL_WORLD_SIZE=" + std::to_string(config_.nprocPerNode),
+          "LOCAL_RANK=" + std::to_string(index),
+          "LOCAL_WORLD_SIZE=" + std::to_string(localRanks),
           "GROUP_RANK=" + std::to_string(config_.nodeRank),
           "MASTER_ADDR=" + config_.masterAddr,
           "MASTER_PORT=" + std::to_string(port_),
@@ -145,10 +165,15 @@ class Group {
           "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(config_.maxRestarts),
           "TORCHELASTIC_RUN_ID=hddp-" + std::to_string(getpid()),
       };
+      if (elastic) {
+        env.push_back("HDDP_ELASTIC=1");
+        env.push_back("HDDP_SLOT=" + std::to_string(slot));
+        env.push_back("HDDP_ELASTIC_DIR=" + elasticDir_);
+      }
       if (!config_.devices.empty()) {
         std::string list;
-        for (const auto& d : config_.devices) {
-          list += (list.empty() ? "" : ",") + d;
+        for (int active : slots_) {
+          list += (list.empty() ? "" : ",") + config_.devices[static_cast<size_t>(active)];
         }
         env.push_back("HDDP_DEVICE=" + list);  // each rank takes entry LOCAL_RANK
       }
@@ -176,7 +201,7 @@ class Group {
         for (const auto& kv : env) {
           putenv(strdup(kv.c_str()));
         }
-        if (config_.nprocPerNode > 1 && !getenv("OMP_NUM_THREADS")) {
+        if (localRanks > 1 && !getenv("OMP_NUM_THREADS")) {
           putenv(strdup("OMP_NUM_THREADS=1"));
         }
         std::vector<char*> args;
@@ -192,8 +217,11 @@ class Group {
       close(errPipe[1]);
       rank.pid = pid;
       rank.running = true;
-      const std::string prefix =
-          config_.noPrefix ? "" : "[rank " + std::to_string(rank.globalRank) + "] ";
+      std::string prefix = "[rank " + std::to_string(rank.globalRank) +
+                           (elastic ? ", slot " + std::to_string(slot) : std::string()) + "] ";
+      if (config_.noPrefix) {
+        prefix.clear();
+      }
       rank.out = Stream{outPipe[0], STDOUT_FILENO, prefix, {}};
       rank.err = Stream{errPipe[0], STDERR_FILENO, prefix, {}};
       ranks_.push_back(std::move(rank));
@@ -205,12 +233,52 @@ class Group {
   struct Outcome {
     int exitCode = 0;          // 0 = every rank succeeded
     bool interrupted = false;  // a signal stopped the job (no restart then)
+    bool reform = false;       // elastic: the ranks left at a commit to re-form the group
+    // Elastic: the slots whose rank failed (before the others were stopped), and how.
+    std::vector<std::pair<int, std::string>> failed;
   };
 
-  // Runs until all ranks ended, one failed, or a signal arrived.
-  Outcome supervise() {
+  // Elastic mode: SIGUSR1 to every rank, once; they commit and leave with
+  // kReformExitCode at the next commit.
+  void requestReform() {
+    if (!reformRequested_) {
+      reformRequested_ = true;
+      for (const auto& r : ranks_) {
+        if (r.running) {
+          kill(r.pid, SIGUSR1);
+        }
+      }
+    }
+  }
+  bool reformRequested() const { return reformRequested_; }
+
+  // Kills the rank of `slot` (and its process group); false when it is not running.
+  bool killSlot(int slot, int sig) {
+    for (const auto& r : ranks_) {
+      if (r.slot == slot && r.running) {
+        kill(-r.pid, sig);
+        kill(r.pid, sig);
+        return true;
+      }
+    }
+    return false;
+  }
+  int rankOfSlot(int slot) const {
+    for (const auto& r : ranks_) {
+      if (r.slot == slot) {
+        return r.globalRank;
+      }
+    }
+    return -1;
+  }
+
+  // Runs until all ranks ended, one failed, or a signal arrived; `tick` runs between
+  // polls (elastic mode: unplug emulation and rejoin checks).
+  template <typename Tick>
+  Outcome supervise(Tick&& tick) {
     bool interrupted = false;
     bool stopping = false;
+    std::vector<std::pair<int, std::string>> failedSlots;
     std::chrono::steady_clock::time_point killAt{};
     int result = 0;
     while (true) {
@@ -223,13 +291,19 @@ class Group {
           say("rank " + std::to_string(first->globalRank) + " (pid " + std::to_string(first->pid) +
               ") " + describeStatus(first->status) + "; stopping the other ranks");
           for (const auto& r : ranks_) {
-            if (&r != first && !r.running && r.status != 0) {
+            if (&r != first && failed(r)) {
               say("rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status) +
                   " at the same time");
             }
           }
           result = exitCodeOf(first->status);
           stopping = true;
+          for (const auto& r : ranks_) {
+            if (!r.running && failed(r)) {
+              failedSlots.emplace_back(
+                  r.slot, "rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
+            }
+          }
         }
         if (stopping) {
           signalAll(SIGTERM);
@@ -239,6 +313,9 @@ class Group {
       } else if (std::chrono::steady_clock::now() >= killAt) {
         signalAll(SIGKILL);
         killAt = std::chrono::steady_clock::now() + std::chrono::hours(1);
+      }
+      if (!stopping) {
+        tick(*this);
       }
       pump(100, [&](int sig) {
         interrupted = true;
@@ -270,7 +347,14 @@ class Group {
         say("rank " + std::to_string(first->globalRank) + " " + describeStatus(first->status));
       }
     }
-    return Outcome{result, interrupted};
+    Outcome outcome{result, interrupted, false, std::move(failedSlots)};
+    for (const auto& r : ranks_) {
+      outcome.reform = outcome.reform || (result == 0 && leftToReform(r));
+    }
+    return outcome;
+  }
+  Outcome supervise() {
+    return supervise([](Group&) {});
   }
 
  private:
@@ -287,12 +371,19 @@ class Group {
       return WIFSIGNALED(a.status) && !WIFSIGNALED(b.status);
     };
     for (const auto& r : ranks_) {
-      if (!r.running && r.status != 0 && (!first || before(r, *first))) {
+      if (!r.running && failed(r) && (!first || before(r, *first))) {
         first = &r;
       }
     }
     return first;
   }
+
+  // Elastic mode: the rank left at a commit for the group to re-form.
+  bool leftToReform(const Rank& r) const {
+    return config_.minProcs > 0 && !r.running && WIFEXITED(r.status) &&
+           WEXITSTATUS(r.status) == kReformExitCode;
+  }
+  bool failed(const Rank& r) const { return !r.running && r.status != 0 && !leftToReform(r); }
 
   bool anyRunning() const {
     for (const auto& r : ranks_) {
@@ -383,11 +474,86 @@ class Group {
   const LaunchConfig& config_;
   int port_;
   int restartCount_;
+  std::vector<int> slots_;
+  std::string elasticDir_;
   std::vector<Rank> ranks_;
   int64_t sweep_ = 0;
+  bool reformRequested_ = false;
 };
 
 }  // namespace
+
+std::string siblingTool(const std::string& name) {
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) {
+    return "";
+  }
+  for (const auto& candidate :
+       {self.parent_path() / name, self.parent_path().parent_path() / name / name}) {
+    if (::access(candidate.c_str(), X_OK) == 0) {
+      return candidate.string();
+    }
+  }
+  return "";
+}
+
+std::string parseNproc(const std::string& text, LaunchConfig& config) {
+  auto number = [](const std::string& t, int* out) {
+    if (t.empty() || t.size() > 5 || t.find_first_not_of("0123456789") != std::string::npos) {
+      return false;
+    }
+    *out = std::stoi(t);
+    return *out >= 1 && *out <= 4096;
+  };
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) {
+    config.minProcs = 0;
+    if (number(text, &config.nprocPerNode)) {
+      return "";
+    }
+  } else if (number(text.substr(0, colon), &config.minProcs) &&
+             number(text.substr(colon + 1), &config.nprocPerNode)) {
+    if (config.minProcs <= config.nprocPerNode) {
+      return "";
+    }
+    return "--nproc-per-node " + text + ": MIN is above MAX; give MIN:MAX with MIN <= MAX";
+  }
+  return "--nproc-per-node '" + text +
+         "' is not a rank count: give N (1 to 4096) or MIN:MAX for an elastic job (e.g. 2:3)";
+}
+
+std::string parseUnplug(const std::string& text, LaunchConfig& config) {
+  LaunchConfig::Unplug u;
+  const size_t at = text.find('@');
+  const size_t colon = text.find(':', at == std::string::npos ? 0 : at);
+  auto seconds = [](const std::string& t, double* out) {
+    char* end = nullptr;
+    *out = std::strtod(t.c_str(), &end);
+    return !t.empty() && end && *end == '\0' && *out >= 0;
+  };
+  bool ok = at != std::string::npos && at > 0 &&
+            text.substr(0, at).find_first_not_of("0123456789") == std::string::npos;
+  if (ok) {
+    u.slot = std::stoi(text.substr(0, at));
+    ok =
+        seconds(
+            text.substr(at + 1, colon == std::string::npos ? std::string::npos : colon - at - 1),
+            &u.at) &&
+        (colon == std::string::npos || (seconds(text.substr(colon + 1), &u.back) && u.back > u.at));
+  }
+  if (!ok) {
+    return "--emulate-unplug '" + text +
+           "' is not SLOT@SECONDS[:BACK] (e.g. 2@30:60: slot 2 is killed 30 s after the start "
+           "and can come back at 60 s)";
+  }
+  if (u.slot >= config.nprocPerNode) {
+    return "--emulate-unplug '" + text + "': there is no slot " + std::to_string(u.slot) +
+           " (slots 0.." + std::to_string(config.nprocPerNode - 1) + ")";
+  }
+  config.unplugs.push_back(u);
+  return "";
+}
 
 std::string checkDevices(LaunchConfig& config, bool nprocGiven) {
   if (config.devices.empty()) {
@@ -431,9 +597,212 @@ std::string checkDevices(LaunchConfig& config, bool nprocGiven) {
       }
     }
     cuda.push_back(d == "cpu" ? "" : d);
+    config.devices[static_cast<size_t>(i)] = d;  // resolved: an elastic job passes subsets
   }
   return "";
 }
+
+namespace {
+
+double secondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// One local slot of an elastic job: whether it runs a rank, and why not.
+struct Slot {
+  bool away = false;    // left (failed, unplugged); back only when its check passes
+  bool back = false;    // its rejoin check passed: it joins at the next re-forming
+  std::string why;      // why it left
+  pid_t checkPid = -1;  // a rejoin check in flight
+  double leftAt = 0;    // seconds since the job started
+};
+
+// The slot's device as the ranks will see it: entry <slot> of --devices, else the
+// default (cuda:<slot> with CUDA, which the check itself finds out).
+std::string slotDevice(const LaunchConfig& config, int slot) {
+  return config.devices.empty() ? "" : config.devices[static_cast<size_t>(slot)];
+}
+
+// Starts the rejoin check of `slot` (asynchronously: a shell command, or hddp-probe
+// for a CUDA slot). Returns -1 when the slot needs no check (a CPU slot, no command):
+// it is available.
+pid_t startRejoinCheck(const LaunchConfig& config, int slot) {
+  const std::string device = slotDevice(config, slot);
+  std::vector<std::string> argv;
+  if (!config.rejoinCheck.empty()) {
+    argv = {"/bin/sh", "-c", config.rejoinCheck};
+  } else if (device == "cpu" || config.probePath.empty()) {
+    return -1;
+  } else {
+    argv = {config.probePath, "--check-device",
+            device.empty() ? "slot:" + std::to_string(slot) : device};
+  }
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setenv("HDDP_SLOT", std::to_string(slot).c_str(), 1);
+    setenv("HDDP_SLOT_DEVICE", device.c_str(), 1);
+    const int devnull = open("/dev/null", O_WRONLY);
+    if (devnull >= 0) {
+      dup2(devnull, STDOUT_FILENO);
+    }
+    std::vector<char*> args;
+    for (auto& a : argv) {
+      args.push_back(const_cast<char*>(a.c_str()));
+    }
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+std::string makeElasticDir() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/hddp-elastic-XXXXXX";
+  std::vector<char> buf(pattern.begin(), pattern.end());
+  buf.push_back('\0');
+  return mkdtemp(buf.data()) ? std::string(buf.data()) : std::string();
+}
+
+int launchElastic(const LaunchConfig& config) {
+  const auto jobStart = std::chrono::steady_clock::now();
+  std::vector<Slot> slots(static_cast<size_t>(config.nprocPerNode));
+  std::vector<bool> unplugDone(config.unplugs.size(), false);
+  const std::string dir = makeElasticDir();
+  if (dir.empty()) {
+    say(std::string("cannot create the elastic state folder: ") + std::strerror(errno));
+    return 1;
+  }
+  say("elastic: " + std::to_string(config.minProcs) + " to " + std::to_string(config.nprocPerNode) +
+      " ranks; commits in " + dir + " unless the program saves elsewhere (--save-dir)");
+  for (const auto& u : config.unplugs) {
+    say("emulation: slot " + std::to_string(u.slot) + " is unplugged " + std::to_string(u.at) +
+        " s after the start" +
+        (u.back >= 0 ? " and back " + std::to_string(u.back) + " s after the start"
+                     : ", for good"));
+  }
+  int failures = 0;
+  for (int generation = 0;; ++generation) {
+    std::vector<int> active;
+    std::string awayText;
+    for (int i = 0; i < config.nprocPerNode; ++i) {
+      Slot& slot = slots[static_cast<size_t>(i)];
+      if (slot.back) {
+        slot = Slot{};
+      }
+      if (!slot.away) {
+        active.push_back(i);
+      } else {
+        awayText += "; slot " + std::to_string(i) + ": " + slot.why;
+      }
+    }
+    if (static_cast<int>(active.size()) < config.minProcs) {
+      say("only " + std::to_string(active.size()) + " of " + std::to_string(config.nprocPerNode) +
+          " slots can run a rank, fewer than the minimum " + std::to_string(config.minProcs) +
+          awayText + "; ending the job");
+      say("job failed (exit code 1)");
+      return 1;
+    }
+    const int port = config.masterPort > 0 ? config.masterPort : freePort();
+    std::string slotList;
+    for (int a : active) {
+      slotList += (slotList.empty() ? "" : ",") + std::to_string(a);
+    }
+    say("generation " + std::to_string(generation) + ": " + std::to_string(active.size()) +
+        " rank(s) on slots " + slotList + ", store " + config.masterAddr + ":" +
+        std::to_string(port));
+    Group group(config, port, generation, active, dir);
+    if (!group.start()) {
+      group.supervise();
+      return 1;
+    }
+    auto lastCheck = std::chrono::steady_clock::now();
+    const Group::Outcome outcome = group.supervise([&](Group& g) {
+      const double now = secondsSince(jobStart);
+      for (size_t u = 0; u < config.unplugs.size(); ++u) {
+        const auto& unplug = config.unplugs[u];
+        if (!unplugDone[u] && now >= unplug.at) {
+          unplugDone[u] = true;
+          if (g.killSlot(unplug.slot, SIGKILL)) {
+            say("emulation: unplugging slot " + std::to_string(unplug.slot) + " (rank " +
+                std::to_string(g.rankOfSlot(unplug.slot)) + ") at " + std::to_string(now) + " s");
+          }
+        }
+      }
+      // Rejoin checks of the slots that left, every rejoinEvery seconds.
+      for (int i = 0; i < config.nprocPerNode; ++i) {
+        Slot& slot = slots[static_cast<size_t>(i)];
+        if (slot.checkPid > 0) {
+          int status = 0;
+          if (waitpid(slot.checkPid, &status, WNOHANG) == slot.checkPid) {
+            slot.checkPid = -1;
+            slot.back = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+          }
+        }
+      }
+      if (g.reformRequested() || secondsSince(lastCheck) < config.rejoinEvery) {
+        return;
+      }
+      lastCheck = std::chrono::steady_clock::now();
+      std::string backList;
+      for (int i = 0; i < config.nprocPerNode; ++i) {
+        Slot& slot = slots[static_cast<size_t>(i)];
+        if (!slot.away || slot.checkPid > 0) {
+          continue;
+        }
+        bool emulatedAway = false;
+        for (const auto& u : config.unplugs) {
+          emulatedAway =
+              emulatedAway || (u.slot == i && now >= u.at && (u.back < 0 || now < u.back));
+        }
+        if (!slot.back && !emulatedAway) {
+          slot.checkPid = startRejoinCheck(config, i);
+          slot.back = slot.checkPid < 0;
+        }
+        if (slot.back) {
+          backList += (backList.empty() ? "" : ",") + std::to_string(i);
+        }
+      }
+      if (!backList.empty()) {
+        say("slot(s) " + backList + " can run again " + std::to_string(now) +
+            " s after the start; the group re-forms with them at the next commit");
+        g.requestReform();
+      }
+    });
+    if (outcome.interrupted) {
+      return outcome.exitCode >= 128 ? outcome.exitCode : 130;
+    }
+    if (outcome.exitCode == 0 && !outcome.reform) {
+      say("job done after " + std::to_string(generation + 1) + " generation(s), " +
+          std::to_string(secondsSince(jobStart)) + " s");
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+      return 0;
+    }
+    if (outcome.reform) {
+      say("the ranks committed and left to re-form the group");
+      continue;
+    }
+    for (const auto& [slot, why] : outcome.failed) {
+      Slot& s = slots[static_cast<size_t>(slot)];
+      s.away = true;
+      s.back = false;
+      s.why = why;
+      s.leftAt = secondsSince(jobStart);
+      say("slot " + std::to_string(slot) + " left: " + why);
+    }
+    if (++failures > config.maxRestarts) {
+      say("job failed (exit code " + std::to_string(outcome.exitCode) +
+          "): " + std::to_string(failures) + " failure(s), more than --max-restarts " +
+          std::to_string(config.maxRestarts));
+      return outcome.exitCode;
+    }
+    say("re-forming without the slot(s) that left (" + std::to_string(failures) + " of " +
+        std::to_string(config.maxRestarts) + " failures allowed)");
+  }
+}
+
+}  // namespace
 
 int launch(const LaunchConfig& config) {
   if (pipe2(gSignalPipe, O_CLOEXEC | O_NONBLOCK) != 0) {
@@ -456,6 +825,9 @@ int launch(const LaunchConfig& config) {
   const int world = config.nnodes * config.nprocPerNode;
   if (config.nprocPerNode > 1 && !std::getenv("OMP_NUM_THREADS")) {
     say("setting OMP_NUM_THREADS=1 for each rank (set it yourself to choose another value)");
+  }
+  if (config.minProcs > 0) {
+    return launchElastic(config);
   }
   int result = 0;
   for (int attempt = 0; attempt <= config.maxRestarts; ++attempt) {

@@ -22,7 +22,39 @@ struct LaunchConfig {
   /// --share-devices: HDDP_ALLOW_SHARED_DEVICE=1 for every rank.
   bool shareDevices = false;
   std::vector<std::string> command;
+
+  // Elastic membership (--nproc-per-node MIN:MAX; docs/elastic.md).
+  /// MIN of --nproc-per-node MIN:MAX (nprocPerNode holds MAX); 0: not elastic.
+  int minProcs = 0;
+  /// Shell command that says whether a slot that left may come back (exit 0: yes); it
+  /// sees HDDP_SLOT and HDDP_SLOT_DEVICE. Empty: the slot's device answers (CPU slots
+  /// always do; CUDA slots: hddp-probe --check-device).
+  std::string rejoinCheck;
+  /// Seconds between rejoin checks of the slots that left.
+  double rejoinEvery = 2.0;
+  /// Emulated unplugging (tests, demos): slot `slot` is killed (SIGKILL) `at` seconds
+  /// after the job starts and may come back `back` seconds after it (< 0: never).
+  struct Unplug {
+    int slot = 0;
+    double at = 0;
+    double back = -1;
+  };
+  std::vector<Unplug> unplugs;
+  /// hddp-probe, for the default rejoin check of CUDA slots.
+  std::string probePath;
 };
+
+/// The exit code with which a rank leaves at a commit so that the group re-forms
+/// (hddp-run asked for it with SIGUSR1; see hddp/train/trainer.h).
+constexpr int kReformExitCode = 75;
+
+/// Parses --nproc-per-node: "N" or "MIN:MAX" (elastic). Returns the error to print.
+std::string parseNproc(const std::string& text, LaunchConfig& config);
+/// The path of tool `name` next to this program (installed side by side, or in the
+/// build tree's tools/<name>/), or "" when there is none.
+std::string siblingTool(const std::string& name);
+/// Parses one --emulate-unplug entry, SLOT@AT[:BACK] in seconds (e.g. 2@30:60).
+std::string parseUnplug(const std::string& text, LaunchConfig& config);
 
 /// Checks --devices against --nproc-per-node (`nprocGiven`: whether it was given; if not,
 /// it becomes the list's length): each entry cpu, cuda or cuda:N, no CUDA device twice

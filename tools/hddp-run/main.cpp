@@ -8,7 +8,9 @@
 // seconds and exits non-zero naming it. With --max-restarts K the whole group is
 // restarted up to K times (TORCHELASTIC_RESTART_COUNT incremented) so a program can
 // resume from its last saved state. --devices gives each local rank its device
-// (HDDP_DEVICE), e.g. a GPU rank next to a CPU rank. See docs/launching.md.
+// (HDDP_DEVICE), e.g. a GPU rank next to a CPU rank. --nproc-per-node MIN:MAX makes the
+// job elastic: a rank that fails leaves, the others re-form from the newest commit, and
+// its slot comes back when its check passes. See docs/launching.md and docs/elastic.md.
 #include <CLI/CLI.hpp>
 #include <iostream>
 
@@ -29,9 +31,10 @@ int main(int argc, char** argv) {
       "hddp-run: start the ranks of a data-parallel job on this node.\n"
       "Usage: hddp-run [options] [--] program [args...]"};
   app.prefix_command();  // everything from the program name on is the command
-  app.add_option("--nproc-per-node,--nproc_per_node", config.nprocPerNode,
-                 "Ranks to start on this node")
-      ->check(CLI::Range(1, 4096))
+  std::string nproc = "1";
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc,
+                 "Ranks to start on this node: N, or MIN:MAX for an elastic job (ranks may "
+                 "leave and come back; docs/elastic.md)")
       ->capture_default_str();
   app.add_option("--nnodes", config.nnodes, "Number of nodes in the job")
       ->check(CLI::Range(1, 65536))
@@ -70,11 +73,47 @@ int main(int argc, char** argv) {
   app.add_flag("--share-devices", config.shareDevices,
                "Let local ranks share a GPU in --devices (Gloo through host memory; testing)");
   app.add_flag("--no-prefix", config.noPrefix, "Do not prefix output lines with [rank N]");
+  app.add_option("--rejoin-check", config.rejoinCheck,
+                 "Elastic: shell command that says (exit 0) whether a slot that left may come "
+                 "back; it sees HDDP_SLOT and HDDP_SLOT_DEVICE. Default: a CPU slot may, a CUDA "
+                 "slot when its device answers (hddp-probe --check-device)");
+  app.add_option("--rejoin-every", config.rejoinEvery, "Elastic: seconds between rejoin checks")
+      ->check(hddp::cli::positive())
+      ->capture_default_str();
+  std::vector<std::string> unplugs;
+  app.add_option("--emulate-unplug", unplugs,
+                 "Elastic, emulation: SLOT@SECONDS[:BACK] kills slot SLOT's rank that many "
+                 "seconds after the start; it may come back from BACK seconds on (e.g. 2@30:60)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  if (const std::string error = hddp::run::parseNproc(nproc, config); !error.empty()) {
+    std::cerr << "hddp-run: " << error << "\n";
+    return 2;
+  }
+  const bool elastic = config.minProcs > 0;
+  for (const auto& u : unplugs) {
+    if (const std::string error = hddp::run::parseUnplug(u, config); !error.empty()) {
+      std::cerr << "hddp-run: " << error << "\n";
+      return 2;
+    }
+  }
+  if (!elastic && (!unplugs.empty() || app.count("--rejoin-check") > 0)) {
+    std::cerr << "hddp-run: --emulate-unplug and --rejoin-check need an elastic job: give "
+                 "--nproc-per-node MIN:MAX (e.g. 2:3)\n";
+    return 2;
+  }
+  if (elastic && config.nnodes > 1) {
+    std::cerr << "hddp-run: --nproc-per-node MIN:MAX is for one node for now (--nnodes 1); "
+                 "see docs/elastic.md\n";
+    return 2;
+  }
+  if (elastic && app.count("--max-restarts") == 0) {
+    config.maxRestarts = 10;  // failures the elastic job survives
+  }
+  config.probePath = hddp::run::siblingTool("hddp-probe");
   config.command = app.remaining();
   if (!config.command.empty() && config.command.front() == "--") {
     config.command.erase(config.command.begin());

@@ -181,6 +181,13 @@ class BatchPlanner {
   /// Reads what save() wrote (restore() rules apply); hddp::StateError when an entry is
   /// missing.
   void load(torch::serialize::InputArchive& shared, torch::serialize::InputArchive& own);
+  /// Reads what save() wrote with other ranks (an elastic job re-formed): rank r takes
+  /// the estimates and memory cap of saved rank fromSaved[r] (-1: a newcomer, which
+  /// starts at the mean per-sample cost of the others until it is measured); `own`
+  /// is this rank's saved window (null: none). The plan is solved afresh from those
+  /// costs. Every rank makes the same call.
+  void loadRemapped(torch::serialize::InputArchive& shared, torch::serialize::InputArchive* own,
+                    const std::vector<int>& fromSaved);
 
   /// The planning rule itself, without communication: the plan all ranks derive from
   /// `estimates` and the relative standard error of each rank's per-sample estimate,
@@ -213,6 +220,8 @@ class BatchPlanner {
   std::vector<RankCost> costs_;
   RankEstimator estimator_;
   int64_t firstUpdate() const;
+  /// The per-rank costs and memory caps of a saved state (save()'s "costs", "caps").
+  std::vector<RankCost> readCosts(torch::serialize::InputArchive& shared) const;
 
   int64_t step_ = 0;
   double lastExchangeSeconds_ = 0.0;

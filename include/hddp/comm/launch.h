@@ -34,6 +34,9 @@ struct LaunchInfo {
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
   int restartCount = 0;
+  /// hddp-run's slot in an elastic job (HDDP_SLOT; -1: none): the default device is
+  /// cuda:<slot>, so a rank keeps its GPU whichever ranks are there. Else localRank.
+  int slot = -1;
   /// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True).
   bool useAgentStore = false;
   Launcher launcher = Launcher::Single;

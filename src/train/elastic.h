@@ -1,0 +1,61 @@
+// The Trainer's side of an elastic job (hddp-run --nproc-per-node MIN:MAX; internal to
+// the train layer, design in docs/elastic.md).
+//
+// The launcher runs the job in generations. Each rank commits its state every K steps
+// (the state files of TrainerOptions::saveDir, else the launcher's HDDP_ELASTIC_DIR);
+// when a rank fails the launcher stops the others and starts the next generation with
+// the ranks left, which resume from the newest commit. When a slot may come back the
+// launcher sends SIGUSR1: at the next commit every rank agrees on it, commits and
+// leaves with kReformExitCode, and the next generation has the slot again.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace hddp {
+namespace train {
+
+/// Exit code of a rank that committed and left for the group to re-form (hddp-run
+/// expects it; EX_TEMPFAIL).
+constexpr int kReformExitCode = 75;
+
+struct ElasticEnv {
+  bool enabled = false;  // HDDP_ELASTIC=1
+  int slot = -1;         // HDDP_SLOT: the launcher's slot, stable across generations
+  std::string dir;       // HDDP_ELASTIC_DIR: where commits go without a saveDir
+};
+
+/// What the launcher told this process (HDDP_ELASTIC, HDDP_SLOT, HDDP_ELASTIC_DIR).
+ElasticEnv elasticFromEnv();
+
+/// Installs the SIGUSR1 handler (once per process) that records a re-form request.
+void watchReformRequests();
+/// True once the launcher asked for a re-form (SIGUSR1) since the process started.
+bool reformRequested();
+
+/// Steps between commits so that a commit costs at most `share` of the time it
+/// protects: ceil(commitSeconds / (share * stepSeconds)), within [1, 10000].
+int64_t commitInterval(double commitSeconds, double stepSeconds, double share = 0.02);
+
+/// Debugging and tests: HDDP_LOG_SAMPLES=<path> appends one line per step and rank,
+/// "<generation> <step> <rank> <index> <index> ...", to <path>.rank<r> of the rank.
+class SampleLog {
+ public:
+  SampleLog() = default;
+  SampleLog(const SampleLog&) = delete;
+  SampleLog& operator=(const SampleLog&) = delete;
+  ~SampleLog();
+  /// Opens the rank's file when HDDP_LOG_SAMPLES is set (append).
+  void open(int rank, int generation);
+  bool enabled() const { return file_ != nullptr; }
+  void write(int64_t step, int rank, const std::vector<int64_t>& indices);
+
+ private:
+  std::FILE* file_ = nullptr;
+  int generation_ = 0;
+};
+
+}  // namespace train
+}  // namespace hddp

@@ -50,6 +50,10 @@ step configure 300 cmake -S . -B "$BUILD" -G "$GEN" -DCMAKE_BUILD_TYPE=Release \
   && step build 420 cmake --build "$BUILD" -j "$JOBS"
 if [ -x "$BUILD/tests/hddp_tests" ]; then
   step cuda-tests 180 "$BUILD/tests/hddp_tests" --gtest_filter='*_CUDA*' --gtest_brief=0
+  # The elastic rejoin check of a CUDA slot: exit 0 for a device that answers, 1 for none.
+  step check-device 60 bash -c "'$BUILD/tools/hddp-probe/hddp-probe' --check-device cuda:0 &&
+    '$BUILD/tools/hddp-probe/hddp-probe' --check-device slot:0 &&
+    ! '$BUILD/tools/hddp-probe/hddp-probe' --check-device cuda:7"
   step all-tests 240 bash -c "cd '$BUILD' && ctest --output-on-failure -j 8 -E 'package\\.'"
 fi
 for b in bench/gpu-*.sh; do

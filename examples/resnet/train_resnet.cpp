@@ -146,14 +146,14 @@ int run(int argc, char** argv) {
   bool syncBn = false;
   bool noAugment = false;
   bool evalFlip = false;
+  double labelSmoothing = 0.0;
   // A flag given twice takes the last value (scripts append overrides to defaults).
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   ex::CommonFlags flags;
   app.add_option("--model", model,
                  "resnet9, resnet20, resnet32, resnet56, resnet18, resnet34, resnet50")
-      ->check(
-          CLI::IsMember(
-              {"resnet9", "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}))
+      ->check(CLI::IsMember(
+          {"resnet9", "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}))
       ->capture_default_str();
   app.add_option("--dataset", dataset, "fashion-mnist, mnist, cifar10, folder or synthetic")
       ->check(CLI::IsMember({"fashion-mnist", "mnist", "cifar10", "folder", "synthetic"}))
@@ -175,6 +175,10 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--sync-bn", syncBn, "Batch-norm statistics over all ranks' samples");
   app.add_flag("--no-augment", noAugment, "No random crops or flips");
+  app.add_option("--label-smoothing", labelSmoothing,
+                 "Mix each target with the uniform distribution by this much (0: off)")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
   app.add_flag("--eval-flip", evalFlip,
                "Evaluate on the mean of the logits of each test image and its mirror image "
                "(test-time augmentation; for data whose classes are left-right symmetric)");
@@ -215,8 +219,8 @@ int run(int argc, char** argv) {
         d.train->describe().c_str(), d.test->describe().c_str());
     std::fflush(stdout);
   }
-  hddp::Trainer trainer(*ctx.communicator, net.ptr(), hddp::forwardOf(net), hddp::crossEntropy(),
-                        *optimizer, d.train, options);
+  hddp::Trainer trainer(*ctx.communicator, net.ptr(), hddp::forwardOf(net),
+                        hddp::crossEntropy(labelSmoothing), *optimizer, d.train, options);
   ex::installSchedule(trainer, flags, d.train->size());
   ex::installEvaluation(trainer, flags, [&]() -> std::map<std::string, double> {
     namespace F = torch::nn::functional;

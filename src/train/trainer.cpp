@@ -21,9 +21,13 @@
 
 namespace hddp {
 
-Trainer::LossFn crossEntropy() {
-  return [](const at::Tensor& output, const at::Tensor& target) {
-    return torch::nn::functional::cross_entropy(output.to(at::kFloat), target);
+Trainer::LossFn crossEntropy(double labelSmoothing) {
+  HDDP_CHECK_AS(ConfigError, labelSmoothing >= 0 && labelSmoothing < 1,
+                "label smoothing must be in [0, 1), not ", labelSmoothing);
+  const auto options =
+      torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(labelSmoothing);
+  return [options](const at::Tensor& output, const at::Tensor& target) {
+    return torch::nn::functional::cross_entropy(output.to(at::kFloat), target, options);
   };
 }
 

@@ -32,7 +32,7 @@ void expectCheckpointingKeepsGradients(Options o, const torch::Tensor& x, const 
 }
 
 TEST(Models, ResNetShapesAndStems) {
-  for (const char* arch : {"resnet20", "resnet18", "resnet50"}) {
+  for (const char* arch : {"resnet9", "resnet20", "resnet18", "resnet50"}) {
     hddp::models::ResNetOptions o;
     o.arch = arch;
     o.inChannels = 1;
@@ -51,11 +51,32 @@ TEST(Models, ResNetShapesAndStems) {
 }
 
 TEST(Models, ResNetCheckpointingKeepsGradients) {
+  for (const char* arch : {"resnet9", "resnet20"}) {
+    SCOPED_TRACE(arch);
+    hddp::models::ResNetOptions o;
+    o.arch = arch;
+    auto x = torch::randn({4, 3, 16, 16});
+    auto y = torch::randint(0, 10, {4}, torch::kLong);
+    expectCheckpointingKeepsGradients<hddp::models::ResNet>(o, x, y);
+  }
+}
+
+TEST(Models, ResNet9IsTheQuarterWidthDawnBenchNet) {
   hddp::models::ResNetOptions o;
-  o.arch = "resnet20";
-  auto x = torch::randn({4, 3, 16, 16});
-  auto y = torch::randint(0, 10, {4}, torch::kLong);
-  expectCheckpointingKeepsGradients<hddp::models::ResNet>(o, x, y);
+  o.arch = "resnet9";
+  o.inChannels = 1;
+  hddp::models::ResNet net(o);
+  int64_t params = 0;
+  int64_t convs = 0;
+  for (const auto& p : net->named_parameters()) {
+    params += p.value().numel();
+    convs += p.value().dim() == 4 ? 1 : 0;
+  }
+  // The same network written in PyTorch (conv-BN-ReLU 1->16; 16->32, pool, residual of
+  // two 32->32; 32->64, pool; 64->128, pool, residual of two 128->128; max-pool; fc)
+  // has 412,666 parameters.
+  EXPECT_EQ(params, 412666);
+  EXPECT_EQ(convs, 8);
 }
 
 TEST(Models, UNetShapesAndCheckpointingKeepsGradients) {

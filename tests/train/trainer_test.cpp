@@ -423,6 +423,21 @@ TEST(Trainer, AnEmptyOrMissingFolderStartsFreshAndARestartResumesByItself) {
   });
 }
 
+TEST(Trainer, CrossEntropyWithLabelSmoothingIsItsFormula) {
+  torch::manual_seed(5);
+  const auto logits = torch::randn({6, 5});
+  const auto target = torch::randint(0, 5, {6}, torch::kLong);
+  const double eps = 0.1;
+  const auto logp = torch::log_softmax(logits, 1);
+  // -(1 - eps) log p(target) - eps/K sum_k log p(k), averaged over the samples.
+  const auto expected =
+      (-(1 - eps) * logp.gather(1, target.unsqueeze(1)).squeeze(1) - eps / 5 * logp.sum(1)).mean();
+  EXPECT_NEAR(hddp::crossEntropy(eps)(logits, target).item<double>(), expected.item<double>(), 1e-6);
+  EXPECT_NEAR(hddp::crossEntropy()(logits, target).item<double>(),
+              -logp.gather(1, target.unsqueeze(1)).mean().item<double>(), 1e-6);
+  EXPECT_THROW(hddp::crossEntropy(1.0), hddp::ConfigError);
+}
+
 TEST(Trainer, LearnsAndWritesMetricsAndTimeline) {
   const std::string dir = hddp::testing::makeTempDir();
   std::vector<hddp::TrainSummary> summaries(2);

@@ -234,8 +234,10 @@ Trainer::ForwardFn forwardOf(Holder holder) {
 }
 
 /// Mean cross-entropy over the batch (classification, and segmentation with
-/// [N, K, H, W] logits and [N, H, W] targets).
-Trainer::LossFn crossEntropy();
+/// [N, K, H, W] logits and [N, H, W] targets). `labelSmoothing` in [0, 1) mixes each
+/// target with the uniform distribution (Szegedy et al. 2016); still a mean over
+/// samples, so the weighted gradients stay exact.
+Trainer::LossFn crossEntropy(double labelSmoothing = 0.0);
 
 /// Sets every parameter group's learning rate (SGD, Adam, AdamW, RMSprop, Adagrad).
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr);

@@ -115,6 +115,9 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--device", f.device,
                  "This program's device: cpu, cuda or cuda:N (default: HDDP_DEVICE, which "
                  "hddp-run --devices sets, else cuda:<local rank> with CUDA, else cpu)");
+  app.add_option("--log-every", f.logEvery, "Progress lines and metrics every N steps")
+      ->check(cli::positive())
+      ->capture_default_str();
   app.add_option("--progress", f.progress, "auto (a live bar on a terminal), lines or off")
       ->check(CLI::IsMember({"auto", "lines", "off"}))
       ->capture_default_str();
@@ -178,6 +181,7 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   o.loader.depth = f.prefetch;
   o.metricsPath = f.metrics;
   o.timelinePath = f.timeline;
+  o.logEvery = f.logEvery;
   o.progress = f.progress == "off"     ? ProgressMode::Off
                : f.progress == "lines" ? ProgressMode::Lines
                                        : ProgressMode::Auto;

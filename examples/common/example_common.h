@@ -64,6 +64,7 @@ struct CommonFlags {
   int64_t limitTrain = 0;
   int64_t limitTest = 0;
   std::string progress = "auto";
+  int64_t logEvery = 20;
   double clipGradNorm = 0.0;
   std::string device;  // empty: HDDP_DEVICE, else cuda:<local rank> with CUDA, else cpu
 };

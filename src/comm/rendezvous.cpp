@@ -1,6 +1,7 @@
 #include "hddp/comm/rendezvous.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -74,6 +75,14 @@ std::vector<RankDeviceClaim> exchangeDeviceClaims(Store& store, int rank, int wo
 
 DistributedContext initFromEnv(const InitOptions& options) {
   const LaunchInfo info = detectLaunch(options, processEnvironment());
+  if (info.slot >= 0) {
+    // hddp-run's elastic job asks for a re-form with SIGUSR1; the Trainer answers it at
+    // its next commit. A program without the Trainer ignores it instead of dying.
+    struct sigaction current {};
+    if (sigaction(SIGUSR1, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      signal(SIGUSR1, SIG_IGN);
+    }
+  }
   log::setRank(info.rank);
   const bool allowShared =
       env::resolveBool("HDDP_ALLOW_SHARED_DEVICE", options.allowSharedDevice).value;

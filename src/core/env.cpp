@@ -61,6 +61,12 @@ std::vector<Variable> makeRegistry() {
        "Device of the ranks: one for all (cpu, cuda, cuda:N) or one per local rank "
        "(cuda:0,cpu); empty = cuda:<local rank> with CUDA, else cpu. hddp-run --devices sets it.",
        {}},
+      {"HDDP_LOG_SAMPLES",
+       Type::String,
+       "",
+       "Debugging: each rank appends '<generation> <step> <rank> <sample indices...>' per "
+       "step to <value>.rank<r> (elastic jobs: which samples each step trained); empty = off.",
+       {}},
       {"HDDP_BF16_FALLBACK",
        Type::Bool,
        "true",

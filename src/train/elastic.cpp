@@ -1,12 +1,16 @@
 #include "train/elastic.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 
+#include "hddp/core/env.h"
 #include "hddp/core/error.h"
 
 namespace hddp {
@@ -50,6 +54,11 @@ void watchReformRequests() {
 
 bool reformRequested() { return gReform.load(); }
 
+bool reformFileExists(const std::string& dir) {
+  std::error_code ec;
+  return !dir.empty() && std::filesystem::exists(dir + "/reform", ec);
+}
+
 int64_t commitInterval(double commitSeconds, double stepSeconds, double share) {
   if (!(stepSeconds > 0) || !(share > 0) || !(commitSeconds >= 0)) {
     return 10;
@@ -65,11 +74,11 @@ SampleLog::~SampleLog() {
 }
 
 void SampleLog::open(int rank, int generation) {
-  const char* path = std::getenv("HDDP_LOG_SAMPLES");
-  if (!path || !*path || file_) {
+  const std::string path = env::resolveString("HDDP_LOG_SAMPLES").value;
+  if (path.empty() || file_) {
     return;
   }
-  const std::string mine = std::string(path) + ".rank" + std::to_string(rank);
+  const std::string mine = path + ".rank" + std::to_string(rank);
   file_ = std::fopen(mine.c_str(), "a");
   HDDP_CHECK_AS(ConfigError, file_ != nullptr, "HDDP_LOG_SAMPLES: cannot open ", mine);
   generation_ = generation;
@@ -85,6 +94,48 @@ void SampleLog::write(int64_t step, int rank, const std::vector<int64_t>& indice
   }
   std::fputc('\n', file_);
   std::fflush(file_);
+}
+
+ProgressMark::~ProgressMark() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+std::string ProgressMark::path(const std::string& dir, int slot) {
+  return dir + "/progress.slot" + std::to_string(slot);
+}
+
+void ProgressMark::open(const std::string& dir, int slot) {
+  if (fd_ < 0 && slot >= 0 && !dir.empty()) {
+    fd_ = ::open(path(dir, slot).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  }
+}
+
+void ProgressMark::write(int64_t step) {
+  if (fd_ >= 0) {
+    const long long value = step;
+    (void)!::pwrite(fd_, &value, sizeof(value), 0);  // a hint for the log, no fsync
+  }
+}
+
+int64_t ProgressMark::newest(const std::string& dir) {
+  int64_t newest = -1;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().filename().string().rfind("progress.slot", 0) != 0) {
+      continue;
+    }
+    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC);
+    long long value = -1;
+    if (fd >= 0 && ::pread(fd, &value, sizeof(value), 0) == sizeof(value)) {
+      newest = std::max<int64_t>(newest, value);
+    }
+    if (fd >= 0) {
+      ::close(fd);
+    }
+  }
+  return newest;
 }
 
 }  // namespace train

@@ -34,6 +34,9 @@ ElasticEnv elasticFromEnv();
 void watchReformRequests();
 /// True once the launcher asked for a re-form (SIGUSR1) since the process started.
 bool reformRequested();
+/// True when the launcher's re-form request file (`dir`/reform) exists: the request
+/// of a launcher that signalled before this process listened.
+bool reformFileExists(const std::string& dir);
 
 /// Steps between commits so that a commit costs at most `share` of the time it
 /// protects: ceil(commitSeconds / (share * stepSeconds)), within [1, 10000].
@@ -55,6 +58,25 @@ class SampleLog {
  private:
   std::FILE* file_ = nullptr;
   int generation_ = 0;
+};
+
+/// Each rank of an elastic job marks the last step it finished in a small file of the
+/// commit folder (one per slot), so that the next generation can say which steps it
+/// trains again: those after the commit it resumes from, up to the newest mark.
+class ProgressMark {
+ public:
+  ProgressMark() = default;
+  ProgressMark(const ProgressMark&) = delete;
+  ProgressMark& operator=(const ProgressMark&) = delete;
+  ~ProgressMark();
+  void open(const std::string& dir, int slot);
+  void write(int64_t step);
+  /// The newest step any slot marked in `dir`; -1 when none did.
+  static int64_t newest(const std::string& dir);
+
+ private:
+  static std::string path(const std::string& dir, int slot);
+  int fd_ = -1;
 };
 
 }  // namespace train

@@ -330,8 +330,21 @@ TrainSummary Trainer::Impl::fit() {
                   " by the launcher: resuming from the newest state in ", options_.saveDir);
     resume = options_.saveDir;
   }
+  // The last step the previous generation reached, before this one marks any.
+  const int64_t reached =
+      elastic_.enabled && restarts > 0 ? train::ProgressMark::newest(options_.saveDir) : -1;
   if (!resume.empty()) {
     load(resume);
+  }
+  if (elastic_.enabled) {
+    if (restarts > 0 && reached > step_) {
+      HDDP_LOG_INFO("train", "elastic: steps ", step_ + 1, "..", reached,
+                    " were trained before the group re-formed and are trained again (",
+                    reached - step_, " steps)");
+    } else if (restarts > 0) {
+      HDDP_LOG_INFO("train", "elastic: resumed at step ", step_, "; no step is trained again");
+    }
+    progressMark_.open(options_.saveDir, elastic_.slot);
   }
   reporter_ = train::Reporter(options_.metricsPath, comm_.rank(), /*append=*/resumed_,
                               options_.progress != ProgressMode::Off,
@@ -384,6 +397,7 @@ TrainSummary Trainer::Impl::fit() {
       samples += batch->share.globalBatch;
       ++epochSteps;
       sampleLog_.write(step_, comm_.rank(), batch->share.indices);
+      progressMark_.write(step_);
       if (options_.timeBudgetSeconds > 0) {
         updateTimeBudget();
       }
@@ -444,9 +458,9 @@ void Trainer::Impl::commit(TrainSummary& summary) {
   const double commitSeconds = seconds(t0, Clock::now());
   const double stepSeconds = seconds(lastCommitTime_, t0) /
                              static_cast<double>(std::max<int64_t>(1, step_ - lastCommitStep_));
+  const bool reform = train::reformRequested() || train::reformFileExists(elastic_.dir);
   at::Tensor t =
-      at::tensor({train::reformRequested() ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble)
-          .to(device_);
+      at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(device_);
   comm_.allreduce(t, {ReduceOp::Max}).wait();
   t = t.cpu();
   const int64_t every = train::commitInterval(t[1].item<double>(), t[2].item<double>());

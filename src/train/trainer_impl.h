@@ -127,6 +127,7 @@ class Trainer::Impl {
   Clock::time_point lastCommitTime_;
   int64_t lastCommitStep_ = 0;
   train::SampleLog sampleLog_;
+  train::ProgressMark progressMark_;
   /// A commit: the state file, then (elastic) the ranks agree on a re-form request and
   /// on the next commit step; leaves the process with kReformExitCode on a request.
   void commit(TrainSummary& summary);

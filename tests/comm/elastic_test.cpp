@@ -117,7 +117,7 @@ TEST(Elastic, ARankUnpluggedAndBackLosesNoSampleAndEndsAsAnUndisturbedRun) {
   char unplug[64];
   std::snprintf(unplug, sizeof(unplug), "2@%.2f:%.2f", at, at + 1.5);
   SCOPED_TRACE(std::string("--emulate-unplug ") + unplug);
-  auto r = runCommand("HDDP_LOG_SAMPLES=" + elastic + "/samples " + launcher() +
+  auto r = runCommand("HDDP_LOG_LEVEL=info HDDP_LOG_SAMPLES=" + elastic + "/samples " + launcher() +
                       " --nproc-per-node 2:3 --rejoin-every 0.25 --emulate-unplug " + unplug +
                       " -- " + worker() + " elastic-train " + elastic);
   ASSERT_EQ(r.exitCode, 0) << r.output;
@@ -149,6 +149,12 @@ TEST(Elastic, ARankUnpluggedAndBackLosesNoSampleAndEndsAsAnUndisturbedRun) {
     EXPECT_EQ(all, once) << "epoch " << epoch;
   }
   std::printf("unplugged at %.2f s; %d step(s) trained again after the loss\n", at, repeated);
+  // The log says how many (from the steps each slot marked before it was stopped).
+  EXPECT_NE(
+      r.output.find(repeated > 0 ? "are trained again (" + std::to_string(repeated) + " steps)"
+                                 : std::string("no step is trained again")),
+      std::string::npos)
+      << r.output;
   const auto a = loadParams(elastic + "/final.pt");
   const auto b = loadParams(straight + "/final.pt");
   ASSERT_EQ(a.size(), b.size());

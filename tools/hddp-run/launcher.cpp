@@ -243,6 +243,13 @@ class Group {
   void requestReform() {
     if (!reformRequested_) {
       reformRequested_ = true;
+      // A file for the ranks still starting (not yet listening for the signal), the
+      // signal for the others; the ranks look for both at each commit.
+      const int fd =
+          ::open((elasticDir_ + "/reform").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+      if (fd >= 0) {
+        ::close(fd);
+      }
       for (const auto& r : ranks_) {
         if (r.running) {
           kill(r.pid, SIGUSR1);
@@ -711,6 +718,8 @@ int launchElastic(const LaunchConfig& config) {
     say("generation " + std::to_string(generation) + ": " + std::to_string(active.size()) +
         " rank(s) on slots " + slotList + ", store " + config.masterAddr + ":" +
         std::to_string(port));
+    std::error_code ec;
+    std::filesystem::remove(dir + "/reform", ec);  // the last generation's request is met
     Group group(config, port, generation, active, dir);
     if (!group.start()) {
       group.supervise();

@@ -446,40 +446,6 @@ TrainSummary Trainer::Impl::fit() {
   return summary;
 }
 
-void Trainer::Impl::commit(TrainSummary& summary) {
-  const auto t0 = Clock::now();
-  summary.lastStateFile = saveMidEpoch();
-  lastSaved_ = step_;
-  if (!elastic_.enabled) {
-    return;
-  }
-  // Agree on a re-form request (the launcher signals the ranks one by one) and on the
-  // next commit: the slowest commit against the slowest rank's wall time per step.
-  const double commitSeconds = seconds(t0, Clock::now());
-  const double stepSeconds = seconds(lastCommitTime_, t0) /
-                             static_cast<double>(std::max<int64_t>(1, step_ - lastCommitStep_));
-  const bool reform = train::reformRequested() || train::reformFileExists(elastic_.dir);
-  at::Tensor t =
-      at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(device_);
-  comm_.allreduce(t, {ReduceOp::Max}).wait();
-  t = t.cpu();
-  const int64_t every = train::commitInterval(t[1].item<double>(), t[2].item<double>());
-  if (every != commitEvery_) {
-    HDDP_LOG_DEBUG("train", "commits every ", every, " steps (a commit takes ",
-                   t[1].item<double>() * 1e3, " ms, a step ", t[2].item<double>() * 1e3, " ms)");
-  }
-  commitEvery_ = every;
-  nextCommit_ = step_ + commitEvery_;
-  lastCommitTime_ = Clock::now();
-  lastCommitStep_ = step_;
-  if (t[0].item<double>() > 0) {
-    HDDP_LOG_INFO("train", "elastic: committed step ", step_, " to ", summary.lastStateFile,
-                  "; leaving for the group to re-form (exit code ", train::kReformExitCode, ")");
-    std::fflush(nullptr);                // log lines and metrics are written through at once
-    std::_Exit(train::kReformExitCode);  // loader threads may be mid-batch: no unwinding
-  }
-}
-
 int64_t Trainer::Impl::plannedSteps() const {
   const int64_t n = loader_->dataset().size();
   const int64_t g = options_.globalBatch;
@@ -492,31 +458,6 @@ int64_t Trainer::Impl::plannedSteps() const {
     total = std::min(total, budgetSteps_);
   }
   return total;
-}
-
-void Trainer::Impl::updateTimeBudget() {
-  constexpr int64_t kEvery = 10;
-  const int64_t done = step_ - fitStartStep_;
-  if (done < kEvery || done % kEvery != 0) {
-    return;
-  }
-  // The slowest rank's clock decides, and every rank derives the same step from the
-  // same allreduced numbers.
-  const double elapsed = seconds(fitStart_, Clock::now());
-  at::Tensor t = at::tensor({elapsed, elapsed - evaluationSeconds_}, at::kDouble).to(device_);
-  comm_.allreduce(t, {ReduceOp::Max}).wait();
-  t = t.cpu();
-  const double elapsedMax = t[0].item<double>();
-  const double perStep = t[1].item<double>() / static_cast<double>(done);
-  const double left = options_.timeBudgetSeconds - elapsedMax;
-  const int64_t more = perStep > 0 && left > 0 ? static_cast<int64_t>(left / perStep) : 0;
-  const bool first = budgetSteps_ == 0;
-  budgetSteps_ = std::max<int64_t>(step_, step_ + more);
-  if (first) {
-    HDDP_LOG_INFO("train", "time budget ", options_.timeBudgetSeconds, " s: ", perStep * 1e3,
-                  " ms per step after ", done, " steps, so ", plannedSteps(),
-                  " steps in all (re-measured every ", kEvery, " steps)");
-  }
 }
 
 std::map<std::string, double> Trainer::Impl::evaluate() {

@@ -417,8 +417,9 @@ TEST(Trainer, AnEmptyOrMissingFolderStartsFreshAndARestartResumesByItself) {
     damaged.put(byte);
   }
   runThreads(1, [&](int rank, int size, hddp::Store& store) {
-    const std::string message = stateError(
-        [&] { trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.resume = dir + "/run"; }); });
+    const std::string message = stateError([&] {
+      trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.resume = dir + "/run"; });
+    });
     EXPECT_NE(message.find("is valid"), std::string::npos) << message;
   });
 }
@@ -432,7 +433,8 @@ TEST(Trainer, CrossEntropyWithLabelSmoothingIsItsFormula) {
   // -(1 - eps) log p(target) - eps/K sum_k log p(k), averaged over the samples.
   const auto expected =
       (-(1 - eps) * logp.gather(1, target.unsqueeze(1)).squeeze(1) - eps / 5 * logp.sum(1)).mean();
-  EXPECT_NEAR(hddp::crossEntropy(eps)(logits, target).item<double>(), expected.item<double>(), 1e-6);
+  EXPECT_NEAR(hddp::crossEntropy(eps)(logits, target).item<double>(), expected.item<double>(),
+              1e-6);
   EXPECT_NEAR(hddp::crossEntropy()(logits, target).item<double>(),
               -logp.gather(1, target.unsqueeze(1)).mean().item<double>(), 1e-6);
   EXPECT_THROW(hddp::crossEntropy(1.0), hddp::ConfigError);

@@ -1,0 +1,495 @@
+// The process supervision behind hddp-run (internal): the ranks of one group, their
+// output, their ends. launcher.cpp runs groups one after another (--max-restarts),
+// elastic.cpp in generations over slots (--nproc-per-node MIN:MAX).
+#pragma once
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "launcher.h"
+
+namespace hddp {
+namespace run {
+namespace detail {
+
+/// Written by the signal handlers, read by Group::pump (launcher.cpp owns it).
+extern int gSignalPipe[2];
+
+inline void say(const std::string& text) {
+  std::string line = "hddp-run: " + text + "\n";
+  (void)!write(STDERR_FILENO, line.data(), line.size());
+}
+
+inline int freePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) {
+    return 29500;
+  }
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  int port = 29500;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+inline std::string describeStatus(int status) {
+  if (WIFEXITED(status)) {
+    return "exited with code " + std::to_string(WEXITSTATUS(status));
+  }
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) +
+           (name ? std::string(" (SIG") + name + ")" : "");
+  }
+  return "ended with status " + std::to_string(status);
+}
+
+inline int exitCodeOf(int status) {
+  if (WIFEXITED(status)) {
+    return WEXITSTATUS(status);
+  }
+  if (WIFSIGNALED(status)) {
+    return 128 + WTERMSIG(status);
+  }
+  return 1;
+}
+
+// Collects a rank's output and writes it line by line with a prefix.
+struct Stream {
+  int fd = -1;
+  int target = STDOUT_FILENO;
+  std::string prefix;
+  std::string pending;
+
+  void emit(const char* data, size_t n) {
+    pending.append(data, n);
+    size_t start = 0;
+    for (size_t nl; (nl = pending.find('\n', start)) != std::string::npos; start = nl + 1) {
+      std::string line = prefix + pending.substr(start, nl - start + 1);
+      (void)!write(target, line.data(), line.size());
+    }
+    pending.erase(0, start);
+  }
+  void flush() {
+    if (!pending.empty()) {
+      std::string line = prefix + pending + "\n";
+      (void)!write(target, line.data(), line.size());
+      pending.clear();
+    }
+  }
+};
+
+struct Rank {
+  int globalRank = 0;
+  int slot = 0;  // the local slot (elastic: the same device across generations)
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  int64_t endedInSweep = -1;  // the reap() sweep that found it ended (order of failures)
+  Stream out;
+  Stream err;
+};
+
+class Group {
+ public:
+  // `slots`: the local slots that run a rank this time (elastic mode), in rank order;
+  // empty: every local rank, as without elasticity.
+  Group(const LaunchConfig& config, int port, int restartCount, std::vector<int> slots = {},
+        std::string elasticDir = {})
+      : config_(config),
+        port_(port),
+        restartCount_(restartCount),
+        slots_(std::move(slots)),
+        elasticDir_(std::move(elasticDir)) {}
+
+  bool start() {
+    const bool elastic = config_.minProcs > 0;
+    if (!elastic) {
+      for (int local = 0; local < config_.nprocPerNode; ++local) {
+        slots_.push_back(local);
+      }
+    }
+    const int localRanks = static_cast<int>(slots_.size());
+    const int world = config_.nnodes * localRanks;
+    for (int index = 0; index < localRanks; ++index) {
+      const int slot = slots_[static_cast<size_t>(index)];
+      Rank rank;
+      rank.globalRank = config_.nodeRank * localRanks + index;
+      rank.slot = slot;
+      int outPipe[2];
+      int errPipe[2];
+      if (pipe2(outPipe, O_CLOEXEC) != 0 || pipe2(errPipe, O_CLOEXEC) != 0) {
+        say(std::string("cannot create pipes: ") + std::strerror(errno));
+        return false;
+      }
+      // Elastic: the ranks are numbered afresh each generation; HDDP_SLOT keeps each one
+      // on its slot's device (cuda:<slot>, or the slot's entry of --devices).
+      std::vector<std::string> env = {
+          "RANK=" + std::to_string(rank.globalRank),
+          "WORLD_SIZE=" + std::to_string(world),
+          "LOCAL_RANK=" + std::to_string(index),
+          "LOCAL_WORLD_SIZE=" + std::to_string(localRanks),
+          "GROUP_RANK=" + std::to_string(config_.nodeRank),
+          "MASTER_ADDR=" + config_.masterAddr,
+          "MASTER_PORT=" + std::to_string(port_),
+          "TORCHELASTIC_RESTART_COUNT=" + std::to_string(restartCount_),
+          "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(config_.maxRestarts),
+          "TORCHELASTIC_RUN_ID=hddp-" + std::to_string(getpid()),
+      };
+      if (elastic) {
+        env.push_back("HDDP_ELASTIC=1");
+        env.push_back("HDDP_SLOT=" + std::to_string(slot));
+        env.push_back("HDDP_ELASTIC_DIR=" + elasticDir_);
+      }
+      if (!config_.devices.empty()) {
+        std::string list;
+        for (int active : slots_) {
+          list += (list.empty() ? "" : ",") + config_.devices[static_cast<size_t>(active)];
+        }
+        env.push_back("HDDP_DEVICE=" + list);  // each rank takes entry LOCAL_RANK
+      }
+      if (config_.shareDevices) {
+        env.push_back("HDDP_ALLOW_SHARED_DEVICE=1");
+      }
+      const pid_t parent = getpid();
+      const pid_t pid = fork();
+      if (pid < 0) {
+        say(std::string("fork failed: ") + std::strerror(errno));
+        return false;
+      }
+      if (pid == 0) {
+        // Child: own process group (we forward signals ourselves), die with the launcher.
+        setpgid(0, 0);
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != parent) {
+          _exit(127);
+        }
+        signal(SIGINT, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        signal(SIGPIPE, SIG_DFL);
+        dup2(outPipe[1], STDOUT_FILENO);
+        dup2(errPipe[1], STDERR_FILENO);
+        for (const auto& kv : env) {
+          putenv(strdup(kv.c_str()));
+        }
+        if (localRanks > 1 && !getenv("OMP_NUM_THREADS")) {
+          putenv(strdup("OMP_NUM_THREADS=1"));
+        }
+        std::vector<char*> args;
+        for (const auto& a : config_.command) {
+          args.push_back(const_cast<char*>(a.c_str()));
+        }
+        args.push_back(nullptr);
+        execvp(args[0], args.data());
+        std::fprintf(stderr, "hddp-run: cannot execute '%s': %s\n", args[0], std::strerror(errno));
+        _exit(127);
+      }
+      close(outPipe[1]);
+      close(errPipe[1]);
+      rank.pid = pid;
+      rank.running = true;
+      std::string prefix = "[rank " + std::to_string(rank.globalRank) +
+                           (elastic ? ", slot " + std::to_string(slot) : std::string()) + "] ";
+      if (config_.noPrefix) {
+        prefix.clear();
+      }
+      rank.out = Stream{outPipe[0], STDOUT_FILENO, prefix, {}};
+      rank.err = Stream{errPipe[0], STDERR_FILENO, prefix, {}};
+      ranks_.push_back(std::move(rank));
+    }
+    return true;
+  }
+
+  // How an attempt ended.
+  struct Outcome {
+    int exitCode = 0;          // 0 = every rank succeeded
+    bool interrupted = false;  // a signal stopped the job (no restart then)
+    bool reform = false;       // elastic: the ranks left at a commit to re-form the group
+    // Elastic: the slots whose rank failed (before the others were stopped), and how.
+    std::vector<std::pair<int, std::string>> failed;
+  };
+
+  // Elastic mode: SIGUSR1 to every rank, once; they commit and leave with
+  // kReformExitCode at the next commit.
+  void requestReform() {
+    if (!reformRequested_) {
+      reformRequested_ = true;
+      // A file for the ranks still starting (not yet listening for the signal), the
+      // signal for the others; the ranks look for both at each commit.
+      const int fd =
+          ::open((elasticDir_ + "/reform").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+      if (fd >= 0) {
+        ::close(fd);
+      }
+      for (const auto& r : ranks_) {
+        if (r.running) {
+          kill(r.pid, SIGUSR1);
+        }
+      }
+    }
+  }
+  bool reformRequested() const { return reformRequested_; }
+
+  // Kills the rank of `slot` (and its process group); false when it is not running.
+  bool killSlot(int slot, int sig) {
+    for (const auto& r : ranks_) {
+      if (r.slot == slot && r.running) {
+        kill(-r.pid, sig);
+        kill(r.pid, sig);
+        return true;
+      }
+    }
+    return false;
+  }
+  int rankOfSlot(int slot) const {
+    for (const auto& r : ranks_) {
+      if (r.slot == slot) {
+        return r.globalRank;
+      }
+    }
+    return -1;
+  }
+
+  // Runs until all ranks ended, one failed, or a signal arrived; `tick` runs between
+  // polls (elastic mode: unplug emulation and rejoin checks).
+  template <typename Tick>
+  Outcome supervise(Tick&& tick) {
+    bool interrupted = false;
+    bool stopping = false;
+    std::vector<std::pair<int, std::string>> failedSlots;
+    std::chrono::steady_clock::time_point killAt{};
+    int result = 0;
+    while (true) {
+      reap();
+      if (!anyRunning()) {
+        break;
+      }
+      if (!stopping) {
+        if (const Rank* first = firstFailure()) {
+          say("rank " + std::to_string(first->globalRank) + " (pid " + std::to_string(first->pid) +
+              ") " + describeStatus(first->status) + "; stopping the other ranks");
+          for (const auto& r : ranks_) {
+            if (&r != first && failed(r)) {
+              say("rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status) +
+                  " at the same time");
+            }
+          }
+          result = exitCodeOf(first->status);
+          stopping = true;
+          for (const auto& r : ranks_) {
+            if (!r.running && failed(r)) {
+              failedSlots.emplace_back(
+                  r.slot, "rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
+            }
+          }
+        }
+        if (stopping) {
+          signalAll(SIGTERM);
+          killAt = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int>(config_.graceSeconds * 1000));
+        }
+      } else if (std::chrono::steady_clock::now() >= killAt) {
+        signalAll(SIGKILL);
+        killAt = std::chrono::steady_clock::now() + std::chrono::hours(1);
+      }
+      if (!stopping) {
+        tick(*this);
+      }
+      pump(100, [&](int sig) {
+        interrupted = true;
+        if (!stopping) {
+          say(std::string("received SIG") + sigabbrev_np(sig) + "; stopping all ranks");
+          signalAll(sig);
+          stopping = true;
+          result = 128 + sig;
+          killAt = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int>(config_.graceSeconds * 1000));
+        } else {
+          signalAll(SIGKILL);
+        }
+      });
+    }
+    // Drain what the ranks wrote before they ended.
+    pump(0, [](int) {});
+    for (auto& r : ranks_) {
+      drain(r.out);
+      drain(r.err);
+      r.out.flush();
+      r.err.flush();
+      close(r.out.fd);
+      close(r.err.fd);
+    }
+    if (result == 0) {
+      if (const Rank* first = firstFailure()) {
+        result = exitCodeOf(first->status);
+        say("rank " + std::to_string(first->globalRank) + " " + describeStatus(first->status));
+      }
+    }
+    Outcome outcome{result, interrupted, false, std::move(failedSlots)};
+    for (const auto& r : ranks_) {
+      outcome.reform = outcome.reform || (result == 0 && leftToReform(r));
+    }
+    return outcome;
+  }
+  Outcome supervise() {
+    return supervise([](Group&) {});
+  }
+
+ private:
+  // The rank that failed first: the earliest reap sweep (SIGCHLD wakes the launcher,
+  // so a rank is normally reaped alone, before the ranks it brings down); within one
+  // sweep, a rank killed by a signal before one that exited with an error (which is
+  // typically a peer reporting the lost connection), then the lowest rank.
+  const Rank* firstFailure() const {
+    const Rank* first = nullptr;
+    auto before = [](const Rank& a, const Rank& b) {
+      if (a.endedInSweep != b.endedInSweep) {
+        return a.endedInSweep < b.endedInSweep;
+      }
+      return WIFSIGNALED(a.status) && !WIFSIGNALED(b.status);
+    };
+    for (const auto& r : ranks_) {
+      if (!r.running && failed(r) && (!first || before(r, *first))) {
+        first = &r;
+      }
+    }
+    return first;
+  }
+
+  // Elastic mode: the rank left at a commit for the group to re-form.
+  bool leftToReform(const Rank& r) const {
+    return config_.minProcs > 0 && !r.running && WIFEXITED(r.status) &&
+           WEXITSTATUS(r.status) == kReformExitCode;
+  }
+  bool failed(const Rank& r) const { return !r.running && r.status != 0 && !leftToReform(r); }
+
+  bool anyRunning() const {
+    for (const auto& r : ranks_) {
+      if (r.running) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void reap() {
+    ++sweep_;
+    for (auto& r : ranks_) {
+      if (!r.running) {
+        continue;
+      }
+      int status = 0;
+      const pid_t done = waitpid(r.pid, &status, WNOHANG);
+      if (done == r.pid) {
+        r.running = false;
+        r.status = status;
+        r.endedInSweep = sweep_;
+      }
+    }
+  }
+
+  void signalAll(int sig) {
+    for (const auto& r : ranks_) {
+      if (r.running) {
+        kill(-r.pid, sig);  // the rank's whole process group
+        kill(r.pid, sig);
+      }
+    }
+  }
+
+  void drain(Stream& s) {
+    char buf[65536];
+    while (true) {
+      const ssize_t n = read(s.fd, buf, sizeof(buf));
+      if (n <= 0) {
+        break;
+      }
+      s.emit(buf, static_cast<size_t>(n));
+    }
+  }
+
+  template <typename OnSignal>
+  void pump(int timeoutMs, OnSignal&& onSig) {
+    std::vector<pollfd> fds;
+    std::vector<Stream*> streams;
+    fds.push_back({gSignalPipe[0], POLLIN, 0});
+    streams.push_back(nullptr);
+    for (auto& r : ranks_) {
+      for (Stream* s : {&r.out, &r.err}) {
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+      }
+    }
+    if (poll(fds.data(), fds.size(), timeoutMs) <= 0) {
+      return;
+    }
+    if (fds[0].revents & POLLIN) {
+      unsigned char sigs[64];
+      const ssize_t n = read(gSignalPipe[0], sigs, sizeof(sigs));
+      for (ssize_t i = 0; i < n; ++i) {
+        if (sigs[i] != SIGCHLD) {  // SIGCHLD only wakes the loop to reap at once
+          onSig(static_cast<int>(sigs[i]));
+        }
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents & (POLLIN | POLLHUP)) {
+        char buf[65536];
+        const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+        if (n > 0) {
+          streams[i]->emit(buf, static_cast<size_t>(n));
+        } else if (n == 0) {
+          streams[i]->flush();
+          close(streams[i]->fd);
+          streams[i]->fd = -1;
+        }
+      }
+    }
+  }
+
+  const LaunchConfig& config_;
+  int port_;
+  int restartCount_;
+  std::vector<int> slots_;
+  std::string elasticDir_;
+  std::vector<Rank> ranks_;
+  int64_t sweep_ = 0;
+  bool reformRequested_ = false;
+};
+
+/// The elastic job (elastic.cpp).
+int launchElastic(const LaunchConfig& config);
+
+}  // namespace detail
+}  // namespace run
+}  // namespace hddp

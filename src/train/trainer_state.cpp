@@ -131,8 +131,7 @@ std::vector<int> matchMembers(const StateParts& parts, InputArchive& file, int64
     at::Tensor member;
     saved.push_back(blob.try_read("member", member) ? member.item<int64_t>() : -(i + 1));
   }
-  at::Tensor mine = at::tensor(std::vector<int64_t>{memberId(parts.comm.rank())}, at::kLong);
-  const std::string bytes = std::to_string(mine.item<int64_t>());
+  const std::string bytes = std::to_string(memberId(parts.comm.rank()));
   const auto all = parts.comm.allgatherBytes(std::vector<uint8_t>(bytes.begin(), bytes.end()));
   std::vector<int> from;
   for (const auto& b : all) {

@@ -31,7 +31,6 @@ struct Slot {
   bool back = false;    // its rejoin check passed: it joins at the next re-forming
   std::string why;      // why it left
   pid_t checkPid = -1;  // a rejoin check in flight
-  double leftAt = 0;    // seconds since the job started
 };
 
 // The slot's device as the ranks will see it: entry <slot> of --devices, else the
@@ -209,7 +208,6 @@ int launchElastic(const LaunchConfig& config) {
       s.away = true;
       s.back = false;
       s.why = why;
-      s.leftAt = secondsSince(jobStart);
       say("slot " + std::to_string(slot) + " left: " + why);
     }
     if (++failures > config.maxRestarts) {

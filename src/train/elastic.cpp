@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 
@@ -136,6 +138,49 @@ int64_t ProgressMark::newest(const std::string& dir) {
     }
   }
   return newest;
+}
+
+JobRecord::~JobRecord() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+void JobRecord::open(const std::string& dir, int generation) {
+  if (fd_ < 0 && !dir.empty()) {
+    fd_ = ::open((dir + "/job.jsonl").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  }
+  generation_ = generation;
+}
+
+void JobRecord::add(const std::string& event, const std::string& fields) {
+  if (fd_ < 0) {
+    return;
+  }
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  char head[96];
+  std::snprintf(head, sizeof(head), "{\"t\":%.3f,\"event\":", now);
+  std::string line = head + jsonQuote(event) + ",\"generation\":" + std::to_string(generation_) +
+                     (fields.empty() ? "" : "," + fields) + "}\n";
+  (void)!::write(fd_, line.data(), line.size());  // a record for people, not a commit
+}
+
+std::string jsonQuote(const std::string& text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char esc[8];
+      std::snprintf(esc, sizeof(esc), "\\u%04x", c);
+      out += esc;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
 }
 
 }  // namespace train

@@ -79,5 +79,31 @@ class ProgressMark {
   int fd_ = -1;
 };
 
+/// The job record, `<HDDP_ELASTIC_DIR>/job.jsonl`: one JSON object per line, appended
+/// by hddp-run (generations, slots that leave and come back) and by rank 0 of each
+/// generation ("resumed", "first_step", "commit"). `hddp-probe --job DIR` and hddp-run's
+/// closing summary read it (tools/common/job_record.h). Each line is one write(2) of
+/// an O_APPEND file, so the writers never interleave within a line.
+class JobRecord {
+ public:
+  JobRecord() = default;
+  JobRecord(const JobRecord&) = delete;
+  JobRecord& operator=(const JobRecord&) = delete;
+  ~JobRecord();
+  /// Opens `dir`/job.jsonl for appending; no-op when `dir` is empty.
+  void open(const std::string& dir, int generation);
+  bool enabled() const { return fd_ >= 0; }
+  /// Appends {"t": <unix seconds>, "event": <event>, "generation": g, <fields>};
+  /// `fields` is a JSON object body without braces ("\"step\":12"), or empty.
+  void add(const std::string& event, const std::string& fields);
+
+ private:
+  int fd_ = -1;
+  int generation_ = 0;
+};
+
+/// `text` as a JSON string literal, quoted and escaped.
+std::string jsonQuote(const std::string& text);
+
 }  // namespace train
 }  // namespace hddp

@@ -337,6 +337,14 @@ TrainSummary Trainer::Impl::fit() {
     load(resume);
   }
   if (elastic_.enabled) {
+    if (comm_.rank() == 0) {
+      jobRecord_.open(elastic_.dir, restarts);
+      const int64_t repeated = restarts > 0 ? std::max<int64_t>(0, reached - step_) : 0;
+      jobRecord_.add(restarts > 0 ? "resumed" : "started",
+                     "\"step\":" + std::to_string(step_) + ",\"repeated\":" +
+                         std::to_string(repeated) + ",\"ranks\":" + std::to_string(comm_.size()) +
+                         ",\"commits\":" + train::jsonQuote(options_.saveDir));
+    }
     if (restarts > 0 && reached > step_) {
       HDDP_LOG_INFO("train", "elastic: steps ", step_ + 1, "..", reached,
                     " were trained before the group re-formed and are trained again (",
@@ -398,6 +406,9 @@ TrainSummary Trainer::Impl::fit() {
       ++epochSteps;
       sampleLog_.write(step_, comm_.rank(), batch->share.indices);
       progressMark_.write(step_);
+      if (step_ == startStep + 1) {
+        jobRecord_.add("first_step", "\"step\":" + std::to_string(step_));
+      }
       if (options_.timeBudgetSeconds > 0) {
         updateTimeBudget();
       }

@@ -128,6 +128,7 @@ class Trainer::Impl {
   int64_t lastCommitStep_ = 0;
   train::SampleLog sampleLog_;
   train::ProgressMark progressMark_;
+  train::JobRecord jobRecord_;  // rank 0 of an elastic job
   /// A commit: the state file, then (elastic) the ranks agree on a re-form request and
   /// on the next commit step; leaves the process with kReformExitCode on a request.
   void commit(TrainSummary& summary);

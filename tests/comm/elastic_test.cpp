@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <set>
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "job_record.h"
 #include "support/ranks.h"
 
 namespace {
@@ -25,6 +27,17 @@ using hddp::testing::runCommand;
 
 std::string launcher() { return hddp::testing::toolsDir() + "/hddp-run"; }
 std::string worker() { return HDDP_TEST_WORKER; }
+std::string probe() { return hddp::testing::toolsDir() + "/../hddp-probe/hddp-probe"; }
+
+// `hddp-probe --job DIR --json`, parsed.
+nlohmann::json probeJob(const std::string& dir) {
+  auto r = runCommand(probe() + " --job " + dir + " --json");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  const size_t start = r.output.find('{');
+  return start == std::string::npos ? nlohmann::json()
+                                    : nlohmann::json::parse(r.output.substr(start), nullptr,
+                                                            /*allow_exceptions=*/false);
+}
 
 // Each step's samples (all ranks together, sorted) from the HDDP_LOG_SAMPLES files of a
 // run, taking each step from the last generation that trained it: a step trained after
@@ -85,6 +98,72 @@ TEST(Elastic, CommitIntervalKeepsTheCommitUnderTwoPercentOfTheSteps) {
   EXPECT_EQ(hddp::train::commitInterval(0.01, 0.0), 10);        // nothing measured yet
 }
 
+// The record's arithmetic on a hand-written job: slot 1 unplugged at 10.0 (hddp-run saw
+// it at 10.2), generation 1's first step at 12.5: re-forming took 12.5 - 10.0 = 2.5 s;
+// back at 20.0, the ranks left at 21.0, generation 2's first step at 22.25: 1.25 s.
+// Repeated steps: 4 + 0. The torn last line (a writer killed mid-line) is skipped.
+TEST(Elastic, TheJobRecordSaysWhoLeftWhenTheyCameBackAndHowLongReformingTook) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::ofstream(dir + "/job.jsonl")
+      << R"({"t":0.0,"event":"job","generation":0,"min":1,"max":2,"pid":42})"
+         "\n"
+      << R"({"t":0.1,"event":"generation","generation":0,"slots":[0,1]})"
+         "\n"
+      << R"({"t":1.0,"event":"started","generation":0,"step":0,"repeated":0,"commits":"C"})"
+         "\n"
+      << R"({"t":9.0,"event":"commit","generation":0,"step":36,"file":"C/state-36"})"
+         "\n"
+      << R"({"t":10.0,"event":"unplug","generation":0,"slot":1})"
+         "\n"
+      << R"({"t":10.2,"event":"left","generation":0,"slot":1,"why":"killed"})"
+         "\n"
+      << R"({"t":10.3,"event":"generation","generation":1,"slots":[0]})"
+         "\n"
+      << R"({"t":11.0,"event":"resumed","generation":1,"step":36,"repeated":4,"commits":"C"})"
+         "\n"
+      << R"({"t":12.5,"event":"first_step","generation":1,"step":37})"
+         "\n"
+      << R"({"t":20.0,"event":"back","generation":1,"slots":[1]})"
+         "\n"
+      << R"({"t":21.0,"event":"reform","generation":1})"
+         "\n"
+      << R"({"t":21.1,"event":"generation","generation":2,"slots":[0,1]})"
+         "\n"
+      << R"({"t":22.0,"event":"resumed","generation":2,"step":50,"repeated":0,"commits":"C"})"
+         "\n"
+      << R"({"t":22.25,"event":"first_step","generation":2,"step":51})"
+         "\n"
+      << R"({"t":23.0,"event":"commit","gener)";
+  const auto job = hddp::jobrecord::read(dir);
+  EXPECT_EQ(job.skippedLines, 1);
+  ASSERT_EQ(job.generations.size(), 3u);
+  EXPECT_DOUBLE_EQ(hddp::jobrecord::reformSeconds(job.generations[0]), -1);
+  EXPECT_DOUBLE_EQ(hddp::jobrecord::reformSeconds(job.generations[1]), 2.5);
+  EXPECT_DOUBLE_EQ(hddp::jobrecord::reformSeconds(job.generations[2]), 1.25);
+  EXPECT_EQ(hddp::jobrecord::repeatedSteps(job), 4);
+  ASSERT_EQ(job.departures.size(), 1u);
+  EXPECT_NEAR(job.departures[0].back - job.departures[0].at, 9.8, 1e-9);
+  EXPECT_EQ(job.commitStep, 36);
+  EXPECT_FALSE(job.ended);
+  std::string text;
+  for (const auto& line : hddp::jobrecord::describe(job, 30.0)) {
+    text += line + "\n";
+  }
+  EXPECT_NE(text.find("10.2 s  slot 1 left: killed\n  10.3 s  generation 1: 1 rank(s) on slots 0; "
+                      "resumed at step 36, 4 step(s) trained again; first step 2.5 s after slot 1 "
+                      "unplugged"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("newest commit: step 36 at 9.0 s (21.0 s ago)"), std::string::npos) << text;
+  EXPECT_NE(text.find("running for 30.0 s; 3 generation(s), 1 departure(s), 4 step(s) trained "
+                      "again, re-forming 1.9 s on average (longest 2.5 s)"),
+            std::string::npos)
+      << text;
+  std::ofstream(dir + "/job.jsonl") << R"({"t":1.0,"event":"commit","generation":0})"
+                                       "\n";
+  EXPECT_THROW(hddp::jobrecord::read(dir), std::runtime_error);
+}
+
 TEST(Elastic, UsageErrorsSayWhatToGive) {
   struct Case {
     std::string args;
@@ -118,9 +197,10 @@ TEST(Elastic, ARankUnpluggedAndBackLosesNoSampleAndEndsAsAnUndisturbedRun) {
   char unplug[64];
   std::snprintf(unplug, sizeof(unplug), "2@%.2f:%.2f", at, at + 1.5);
   SCOPED_TRACE(std::string("--emulate-unplug ") + unplug);
-  auto r = runCommand("HDDP_LOG_LEVEL=info HDDP_LOG_SAMPLES=" + elastic + "/samples " + launcher() +
-                      " --nproc-per-node 2:3 --rejoin-every 0.25 --emulate-unplug " + unplug +
-                      " -- " + worker() + " elastic-train " + elastic);
+  auto r =
+      runCommand("HDDP_LOG_LEVEL=info HDDP_LOG_SAMPLES=" + elastic + "/samples " + launcher() +
+                 " --nproc-per-node 2:3 --rejoin-every 0.25 --emulate-unplug " + unplug +
+                 " --job-dir " + elastic + "/job -- " + worker() + " elastic-train " + elastic);
   ASSERT_EQ(r.exitCode, 0) << r.output;
   EXPECT_NE(r.output.find("unplugging slot 2 (rank 2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("generation 1: 2 rank(s) on slots 0,1"), std::string::npos) << r.output;
@@ -164,6 +244,31 @@ TEST(Elastic, ARankUnpluggedAndBackLosesNoSampleAndEndsAsAnUndisturbedRun) {
   }
   EXPECT_GE(logged, repeated - 1) << r.output;
   EXPECT_LE(logged, repeated) << r.output;
+  // The job record (hddp-probe --job) tells the same story, and hddp-run's summary.
+  EXPECT_NE(r.output.find("3 generation(s), 1 departure(s), " + std::to_string(logged) +
+                          " step(s) trained again, re-forming"),
+            std::string::npos)
+      << r.output;
+  const nlohmann::json job = probeJob(elastic + "/job");
+  ASSERT_TRUE(job.is_object()) << job;
+  EXPECT_EQ(job["ended"], true);
+  EXPECT_EQ(job["exit_code"], 0);
+  EXPECT_EQ(job["repeated_steps"], logged) << job;
+  ASSERT_EQ(job["generations"].size(), 3u) << job;
+  EXPECT_EQ(job["generations"][1]["slots"], nlohmann::json({0, 1}));
+  EXPECT_EQ(job["generations"][2]["slots"], nlohmann::json({0, 1, 2}));
+  for (int g = 1; g <= 2; ++g) {
+    const double reform = job["generations"][g]["reform_s"].get<double>();
+    EXPECT_GT(reform, 0.0) << job;
+    EXPECT_LT(reform, 30.0) << job;
+  }
+  ASSERT_EQ(job["departures"].size(), 1u) << job;
+  const auto& left = job["departures"][0];
+  EXPECT_EQ(left["slot"], 2);
+  EXPECT_NE(left["why"].get<std::string>().find("signal 9"), std::string::npos) << job;
+  EXPECT_NEAR(left["left_s"].get<double>(), at, 1.0) << job;
+  ASSERT_TRUE(left["back_s"].is_number()) << job;
+  EXPECT_GE(left["back_s"].get<double>(), at + 1.5 - 0.1) << job;
   const auto a = loadParams(elastic + "/final.pt");
   const auto b = loadParams(straight + "/final.pt");
   ASSERT_EQ(a.size(), b.size());
@@ -175,11 +280,24 @@ TEST(Elastic, ARankUnpluggedAndBackLosesNoSampleAndEndsAsAnUndisturbedRun) {
 
 TEST(Elastic, BelowItsMinimumTheJobEndsAtOnceNamingTheRank) {
   const std::string dir = hddp::testing::makeTempDir();
-  auto r = runCommand(launcher() + " --nproc-per-node 3:3 --emulate-unplug 1@1.5 -- " + worker() +
-                      " elastic-train " + dir);
+  auto r = runCommand(launcher() + " --nproc-per-node 3:3 --emulate-unplug 1@1.5 --job-dir " + dir +
+                      "/job -- " + worker() + " elastic-train " + dir);
   EXPECT_EQ(r.exitCode, 1) << r.output;
   EXPECT_NE(r.output.find("fewer than the minimum 3; slot 1: rank 1 was killed by signal 9"),
             std::string::npos)
       << r.output;
   EXPECT_LT(r.seconds, 30.0) << r.output;
+  // The folder stays for a look at what happened; a second job may not reuse it.
+  const nlohmann::json job = probeJob(dir + "/job");
+  EXPECT_EQ(job["ended"], true) << job;
+  EXPECT_EQ(job["exit_code"], 1) << job;
+  ASSERT_EQ(job["departures"].size(), 1u) << job;
+  EXPECT_EQ(job["departures"][0]["slot"], 1) << job;
+  auto again = runCommand(launcher() + " --nproc-per-node 1:2 --job-dir " + dir + "/job -- " +
+                          worker() + " allreduce");
+  EXPECT_EQ(again.exitCode, 1) << again.output;
+  EXPECT_NE(again.output.find("holds an earlier job's record"), std::string::npos) << again.output;
+  auto none = runCommand(probe() + " --job " + dir);
+  EXPECT_EQ(none.exitCode, 1) << none.output;
+  EXPECT_NE(none.output.find("not an elastic job's folder"), std::string::npos) << none.output;
 }

@@ -11,11 +11,14 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "hddp/hddp.h"
+#include "job_record.h"
 
 namespace {
 
@@ -376,6 +379,51 @@ int checkDeviceAnswers(const std::string& name) {
   }
 }
 
+// --job DIR: an elastic job's record, and while it runs the step each slot reached
+// (the progress.slot<s> marks in its commit folder).
+int showJob(const std::string& dir, bool asJson) {
+  hddp::jobrecord::Job job;
+  try {
+    job = hddp::jobrecord::read(dir);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "hddp-probe: --job: %s\n", e.what());
+    return 1;
+  }
+  json reached = json::object();
+  const std::string commits = job.generations.empty() ? "" : job.generations.back().commits;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(commits, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("progress.slot", 0) == 0) {
+      std::ifstream in(entry.path(), std::ios::binary);
+      long long step = -1;  // the Trainer's 8-byte mark (src/train/elastic.h)
+      if (in.read(reinterpret_cast<char*>(&step), sizeof(step))) {
+        reached[name.substr(13)] = step;
+      }
+    }
+  }
+  if (asJson) {
+    json out = hddp::jobrecord::toJson(job);
+    out["folder"] = dir;
+    out["step_reached_by_slot"] = reached;
+    std::cout << out.dump(1) << "\n";
+    return 0;
+  }
+  std::printf("%s\n", dir.c_str());
+  for (const auto& line : hddp::jobrecord::describe(job, hddp::jobrecord::unixNow())) {
+    std::printf("%s\n", line.c_str());
+  }
+  if (!job.ended && !reached.empty()) {
+    std::string text;
+    for (auto it = reached.begin(); it != reached.end(); ++it) {
+      text += (text.empty() ? "" : ", ") + std::string("slot ") + it.key() + " " +
+              std::to_string(it.value().get<long long>());
+    }
+    std::printf("steps reached: %s\n", text.c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -401,10 +449,18 @@ int run(int argc, char** argv) {
                  "Only check that a device answers (exit 0) or not (exit 1): cpu, cuda:N, or "
                  "slot:N for the device a rank of hddp-run's slot N takes (HDDP_DEVICE, else "
                  "cuda:N with CUDA, else cpu); hddp-run's rejoin check");
+  std::string jobDir;
+  app.add_option("--job", jobDir,
+                 "Only show an elastic job (hddp-run --nproc-per-node MIN:MAX): its generations, "
+                 "the slots that left and came back, steps trained again, re-forming times, the "
+                 "newest commit; DIR is the folder hddp-run names (or its --job-dir)");
   CLI11_PARSE(app, argc, argv);
   hddp::log::setLevel(hddp::log::Level::Warn);
   if (!checkDevice.empty()) {
     return checkDeviceAnswers(checkDevice);
+  }
+  if (!jobDir.empty()) {
+    return showJob(jobDir, o.asJson);
   }
 
   const bool hasCuda = at::detail::getCUDAHooks().hasCUDA();

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "group.h"
+#include "job_record.h"
 
 namespace hddp {
 namespace run {
@@ -80,19 +81,72 @@ std::string makeElasticDir() {
   return mkdtemp(buf.data()) ? std::string(buf.data()) : std::string();
 }
 
+// The job's folder: --job-dir (created; refused when it holds an earlier job's record),
+// else a new temporary one. Returns "" after saying why there is none.
+std::string jobFolder(const LaunchConfig& config) {
+  if (config.jobDir.empty()) {
+    const std::string dir = makeElasticDir();
+    if (dir.empty()) {
+      say(std::string("cannot create the elastic job's folder: ") + std::strerror(errno));
+    }
+    return dir;
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(config.jobDir, ec);
+  if (ec) {
+    say("--job-dir " + config.jobDir + ": cannot create it: " + ec.message());
+    return "";
+  }
+  if (std::filesystem::exists(config.jobDir + "/job.jsonl", ec)) {
+    say("--job-dir " + config.jobDir +
+        " holds an earlier job's record (job.jsonl): give an empty or new folder");
+    return "";
+  }
+  return config.jobDir;
+}
+
+// Ends the job: records how, prints the record's summary when anything happened, and
+// removes a temporary folder of a job that succeeded.
+int finish(const LaunchConfig& config, const std::string& dir, int generation, int code,
+           const std::string& why) {
+  jobrecord::append(dir, "end", generation, {{"code", code}, {"why", why}});
+  try {
+    const jobrecord::Job job = jobrecord::read(dir);
+    if (job.generations.size() > 1 || code != 0) {
+      for (const auto& line : jobrecord::describe(job, jobrecord::unixNow())) {
+        say(line);
+      }
+    }
+  } catch (const std::exception& e) {
+    say(std::string("no summary: ") + e.what());
+  }
+  if (code == 0 && config.jobDir.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(dir, ec);
+  } else {
+    say("the job's folder stays: " + dir + " (hddp-probe --job " + dir + ")");
+  }
+  return code;
+}
+
 }  // namespace
 
 int launchElastic(const LaunchConfig& config) {
   const auto jobStart = std::chrono::steady_clock::now();
   std::vector<Slot> slots(static_cast<size_t>(config.nprocPerNode));
   std::vector<bool> unplugDone(config.unplugs.size(), false);
-  const std::string dir = makeElasticDir();
+  const std::string dir = jobFolder(config);
   if (dir.empty()) {
-    say(std::string("cannot create the elastic state folder: ") + std::strerror(errno));
     return 1;
   }
   say("elastic: " + std::to_string(config.minProcs) + " to " + std::to_string(config.nprocPerNode) +
-      " ranks; commits in " + dir + " unless the program saves elsewhere (--save-dir)");
+      " ranks; commits in " + dir +
+      " unless the program saves elsewhere (--save-dir); hddp-probe --job " + dir +
+      " shows the job");
+  jobrecord::append(dir, "job", 0,
+                    {{"min", config.minProcs},
+                     {"max", config.nprocPerNode},
+                     {"pid", static_cast<long>(getpid())}});
   for (const auto& u : config.unplugs) {
     say("emulation: slot " + std::to_string(u.slot) + " is unplugged " + std::to_string(u.at) +
         " s after the start" +
@@ -119,7 +173,8 @@ int launchElastic(const LaunchConfig& config) {
           " slots can run a rank, fewer than the minimum " + std::to_string(config.minProcs) +
           awayText + "; ending the job");
       say("job failed (exit code 1)");
-      return 1;
+      return finish(config, dir, generation, 1,
+                    "fewer than the minimum " + std::to_string(config.minProcs) + " slots");
     }
     const int port = config.masterPort > 0 ? config.masterPort : freePort();
     std::string slotList;
@@ -131,10 +186,11 @@ int launchElastic(const LaunchConfig& config) {
         std::to_string(port));
     std::error_code ec;
     std::filesystem::remove(dir + "/reform", ec);  // the last generation's request is met
+    jobrecord::append(dir, "generation", generation, {{"slots", active}, {"port", port}});
     Group group(config, port, generation, active, dir);
     if (!group.start()) {
       group.supervise();
-      return 1;
+      return finish(config, dir, generation, 1, "the ranks could not be started");
     }
     auto lastCheck = std::chrono::steady_clock::now();
     const Group::Outcome outcome = group.supervise([&](Group& g) {
@@ -144,6 +200,7 @@ int launchElastic(const LaunchConfig& config) {
         if (!unplugDone[u] && now >= unplug.at) {
           unplugDone[u] = true;
           if (g.killSlot(unplug.slot, SIGKILL)) {
+            jobrecord::append(dir, "unplug", generation, {{"slot", unplug.slot}});
             say("emulation: unplugging slot " + std::to_string(unplug.slot) + " (rank " +
                 std::to_string(g.rankOfSlot(unplug.slot)) + ") at " + std::to_string(now) + " s");
           }
@@ -184,22 +241,29 @@ int launchElastic(const LaunchConfig& config) {
         }
       }
       if (!backList.empty()) {
+        std::vector<int> back;
+        for (int i = 0; i < config.nprocPerNode; ++i) {
+          if (slots[static_cast<size_t>(i)].away && slots[static_cast<size_t>(i)].back) {
+            back.push_back(i);
+          }
+        }
+        jobrecord::append(dir, "back", generation, {{"slots", back}});
         say("slot(s) " + backList + " can run again " + std::to_string(now) +
             " s after the start; the group re-forms with them at the next commit");
         g.requestReform();
       }
     });
     if (outcome.interrupted) {
-      return outcome.exitCode >= 128 ? outcome.exitCode : 130;
+      return finish(config, dir, generation, outcome.exitCode >= 128 ? outcome.exitCode : 130,
+                    "interrupted by a signal");
     }
     if (outcome.exitCode == 0 && !outcome.reform) {
       say("job done after " + std::to_string(generation + 1) + " generation(s), " +
           std::to_string(secondsSince(jobStart)) + " s");
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-      return 0;
+      return finish(config, dir, generation, 0, "");
     }
     if (outcome.reform) {
+      jobrecord::append(dir, "reform", generation);
       say("the ranks committed and left to re-form the group");
       continue;
     }
@@ -208,13 +272,14 @@ int launchElastic(const LaunchConfig& config) {
       s.away = true;
       s.back = false;
       s.why = why;
+      jobrecord::append(dir, "left", generation, {{"slot", slot}, {"why", why}});
       say("slot " + std::to_string(slot) + " left: " + why);
     }
     if (++failures > config.maxRestarts) {
-      say("job failed (exit code " + std::to_string(outcome.exitCode) +
-          "): " + std::to_string(failures) + " failure(s), more than --max-restarts " +
-          std::to_string(config.maxRestarts));
-      return outcome.exitCode;
+      const std::string why = std::to_string(failures) + " failure(s), more than --max-restarts " +
+                              std::to_string(config.maxRestarts);
+      say("job failed (exit code " + std::to_string(outcome.exitCode) + "): " + why);
+      return finish(config, dir, generation, outcome.exitCode, why);
     }
     say("re-forming without the slot(s) that left (" + std::to_string(failures) + " of " +
         std::to_string(config.maxRestarts) + " failures allowed)");

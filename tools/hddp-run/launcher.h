@@ -40,6 +40,9 @@ struct LaunchConfig {
     double back = -1;
   };
   std::vector<Unplug> unplugs;
+  /// --job-dir: the job's folder (commits without --save-dir, the job record job.jsonl),
+  /// kept after the job. Empty: a temporary folder, removed when the job succeeds.
+  std::string jobDir;
   /// hddp-probe, for the default rejoin check of CUDA slots.
   std::string probePath;
 };

@@ -80,6 +80,10 @@ int main(int argc, char** argv) {
   app.add_option("--rejoin-every", config.rejoinEvery, "Elastic: seconds between rejoin checks")
       ->check(hddp::cli::positive())
       ->capture_default_str();
+  app.add_option("--job-dir", config.jobDir,
+                 "Elastic: the job's folder (commits unless the program has --save-dir, and "
+                 "the job record that hddp-probe --job shows), kept after the job. Default: a "
+                 "temporary folder, removed when the job succeeds");
   std::vector<std::string> unplugs;
   app.add_option("--emulate-unplug", unplugs,
                  "Elastic, emulation: SLOT@SECONDS[:BACK] kills slot SLOT's rank that many "
@@ -100,8 +104,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (!elastic && (!unplugs.empty() || app.count("--rejoin-check") > 0)) {
-    std::cerr << "hddp-run: --emulate-unplug and --rejoin-check need an elastic job: give "
+  if (!elastic &&
+      (!unplugs.empty() || app.count("--rejoin-check") > 0 || app.count("--job-dir") > 0)) {
+    std::cerr << "hddp-run: --emulate-unplug, --rejoin-check and --job-dir need an elastic job: "
+                 "give "
                  "--nproc-per-node MIN:MAX (e.g. 2:3)\n";
     return 2;
   }

@@ -8,6 +8,7 @@
 set -euo pipefail
 
 TORCH_VERSION=${HDDP_TORCH_VERSION:-2.11.0}
+MATPLOTLIB_VERSION=3.9.2
 VENV=${HDDP_VENV:-/opt/hddp-venv}
 APT_PACKAGES=(build-essential cmake ninja-build ccache git python3 python3-venv
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev
@@ -40,5 +41,10 @@ else
   $SUDO mkdir -p "$(dirname "$VENV")"
   [ -x "$VENV/bin/python" ] || $SUDO "$PY" -m venv "$VENV"
   $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION" numpy >&2
+fi
+# matplotlib for hddp-plot and the benchmarks' charts, in the same environment.
+if ! "$VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
+  log "installing matplotlib==$MATPLOTLIB_VERSION into $VENV (hddp-plot)"
+  $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "matplotlib==$MATPLOTLIB_VERSION" >&2
 fi
 echo "$VENV/bin/python"

@@ -5,6 +5,7 @@
 #include "hddp/balance/batch_plan.h"
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/emulation.h"
+#include "hddp/balance/memory_model.h"
 #include "hddp/balance/planner.h"
 #include "hddp/checkpoint/checkpoint.h"
 #include "hddp/comm/communicator.h"

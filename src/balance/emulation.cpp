@@ -71,6 +71,42 @@ std::vector<int64_t> parseRankCaps(const std::string& variable, const std::strin
   return caps;
 }
 
+void parseEmulatedMemory(const std::string& variable, const std::string& text, int worldSize,
+                         int rank, EmulationOptions& options) {
+  if (text.empty()) {
+    return;
+  }
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    const auto colon = item.find(':');
+    const auto plus = item.find('+', colon == std::string::npos ? 0 : colon);
+    const auto slash = item.find('/', plus == std::string::npos ? 0 : plus);
+    HDDP_CHECK_AS(
+        ConfigError,
+        colon != std::string::npos && plus != std::string::npos && slash != std::string::npos,
+        variable, "='", text, "': item '", item,
+        "' is not rank:FIXED+PER_SAMPLE/TOTAL in MiB (e.g. 1:200+12/1000)");
+    const int64_t r = env::parseInt(variable, item.substr(0, colon));
+    HDDP_CHECK_AS(ConfigError, r >= 0 && r < worldSize, variable, "='", text, "': item '", item,
+                  "' names rank ", r, ", but this job has ", worldSize, " rank(s)");
+    const double fixed = env::parseFloat(variable, item.substr(colon + 1, plus - colon - 1));
+    const double per = env::parseFloat(variable, item.substr(plus + 1, slash - plus - 1));
+    const double total = env::parseFloat(variable, item.substr(slash + 1));
+    HDDP_CHECK_AS(ConfigError,
+                  std::isfinite(fixed) && std::isfinite(per) && std::isfinite(total) &&
+                      fixed >= 0 && per > 0 && total > fixed,
+                  variable, "='", text, "': item '", item,
+                  "' needs FIXED >= 0, PER_SAMPLE > 0 and a TOTAL above FIXED (MiB)");
+    if (r == rank) {
+      constexpr double kMiB = 1024.0 * 1024.0;
+      options.memoryFixedBytes = fixed * kMiB;
+      options.memoryPerSampleBytes = per * kMiB;
+      options.memoryTotalBytes = total * kMiB;
+    }
+  }
+}
+
 EmulationOptions emulationFromEnv(int rank, int worldSize) {
   HDDP_CHECK(rank >= 0 && rank < worldSize, "emulationFromEnv: rank ", rank,
              " is outside a job of ", worldSize, " rank(s)");
@@ -84,6 +120,8 @@ EmulationOptions emulationFromEnv(int rank, int worldSize) {
   o.memoryCapSamples =
       parseRankCaps("HDDP_EMULATE_MEMORY_CAP", env::getString("HDDP_EMULATE_MEMORY_CAP"),
                     worldSize)[static_cast<size_t>(rank)];
+  parseEmulatedMemory("HDDP_EMULATE_MEMORY", env::getString("HDDP_EMULATE_MEMORY"), worldSize, rank,
+                      o);
   o.validate(rank);
   return o;
 }
@@ -97,6 +135,13 @@ void EmulationOptions::validate(int rank) const {
                 " GB/s; give a finite positive bandwidth (or leave the rank out)");
   HDDP_CHECK_AS(ConfigError, memoryCapSamples >= 0, "emulated memory cap for rank ", rank, " is ",
                 memoryCapSamples, "; give a number of samples >= 1");
+  HDDP_CHECK_AS(
+      ConfigError,
+      memoryTotalBytes == 0 || (std::isfinite(memoryTotalBytes) && memoryFixedBytes >= 0 &&
+                                memoryPerSampleBytes > 0 && memoryTotalBytes > memoryFixedBytes),
+      "emulated memory for rank ", rank, ": ", memoryFixedBytes, " B + ", memoryPerSampleBytes,
+      " B/sample of ", memoryTotalBytes,
+      " B; give a fixed part >= 0, a per-sample part > 0 and a total above the fixed part");
 }
 
 Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep)
@@ -113,6 +158,11 @@ Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep)
                   options_.memoryCapSamples > 0
                       ? c10::str(", out of memory above ", options_.memoryCapSamples, " samples")
                       : std::string(),
+                  options_.emulatesMemory()
+                      ? c10::str(", memory ", options_.memoryFixedBytes / (1 << 20), " MiB + ",
+                                 options_.memoryPerSampleBytes / (1 << 20), " MiB/sample of ",
+                                 options_.memoryTotalBytes / (1 << 20), " MiB")
+                      : std::string(),
                   " (for tests and demos; unset HDDP_EMULATE_* to turn it off)");
   }
 }
@@ -122,6 +172,13 @@ void Emulator::checkMemory(int64_t samples) const {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "emulated out of memory: ", samples,
                      " samples in a step, above the emulated cap of ", options_.memoryCapSamples,
                      " (HDDP_EMULATE_MEMORY_CAP / --emulate-memory-cap)");
+  }
+  const double needed =
+      options_.memoryFixedBytes + options_.memoryPerSampleBytes * static_cast<double>(samples);
+  if (options_.emulatesMemory() && needed > options_.memoryTotalBytes) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "emulated out of memory: ", samples, " samples need ",
+                     needed / (1 << 20), " MiB of the emulated ",
+                     options_.memoryTotalBytes / (1 << 20), " MiB (HDDP_EMULATE_MEMORY)");
   }
 }
 

@@ -75,7 +75,9 @@ BatchPlanner::BatchPlanner(Communicator& communicator, PlannerOptions options,
       options_(options),
       costs_(std::move(initial)),
       estimator_(std::max(options.window, 1), std::max(options.confidence, 0.0),
-                 std::max(1, std::min(options.rebalanceEvery, options.window / 2))) {
+                 std::max(1, std::min(options.rebalanceEvery, options.window / 2))),
+      memory_(std::max(options.window, 1)),
+      derivedCaps_(static_cast<size_t>(communicator.size()), std::numeric_limits<int64_t>::max()) {
   HDDP_CHECK_AS(ConfigError,
                 options_.globalBatch >= comm_.size() * std::max<int64_t>(options_.minLocalBatch, 0),
                 "global batch ", options_.globalBatch, " is too small for ", comm_.size(),
@@ -86,6 +88,9 @@ BatchPlanner::BatchPlanner(Communicator& communicator, PlannerOptions options,
                 "PlannerOptions: rebalanceEvery ", options_.rebalanceEvery, ", window ",
                 options_.window, ", hysteresis ", options_.hysteresis, ", confidence ",
                 options_.confidence, " must be positive");
+  HDDP_CHECK_AS(ConfigError, options_.memoryHeadroom >= 0 && options_.memoryHeadroom < 1,
+                "PlannerOptions: memoryHeadroom ", options_.memoryHeadroom,
+                " is the fraction of a device's memory kept free, from 0 to below 1");
   if (costs_.empty()) {
     plan_ = equalSplit(comm_.size(), options_.globalBatch);
     if (options_.minLocalBatch > 0) {
@@ -217,11 +222,18 @@ bool BatchPlanner::endStep() {
     return false;
   }
   // This rank's estimate, exchanged as doubles: compute seconds per sample, its
-  // relative standard error, fixed seconds, transfer seconds per sample, bytes per sample.
+  // relative standard error, fixed seconds, transfer seconds per sample, bytes per
+  // sample, and the memory cap derived from its measured memory (-1: none).
   const RankEstimator::Estimate own = estimator_.estimate();
-  constexpr size_t kFields = 5;
-  const double mine[kFields] = {own.secondsPerSample, own.relativeError, own.fixedSeconds,
-                                own.transferSecondsPerSample, own.bytesPerSample};
+  const int64_t ownCap = memory_.cap(options_.memoryHeadroom);
+  constexpr size_t kFields = 6;
+  const double mine[kFields] = {
+      own.secondsPerSample,
+      own.relativeError,
+      own.fixedSeconds,
+      own.transferSecondsPerSample,
+      own.bytesPerSample,
+      ownCap == std::numeric_limits<int64_t>::max() ? -1.0 : static_cast<double>(ownCap)};
   std::vector<uint8_t> bytes(sizeof(mine));
   std::memcpy(bytes.data(), mine, sizeof(mine));
   const auto exchangeStart = std::chrono::steady_clock::now();
@@ -240,7 +252,40 @@ bool BatchPlanner::endStep() {
     e.transferSecondsPerSample = theirs[3];
     e.bytesPerSample = theirs[4];
   }
-  const Decision d = decide(estimates, costs_, plan_, options_, !measured_);
+  std::vector<int64_t> derived(all.size(), std::numeric_limits<int64_t>::max());
+  for (size_t r = 0; r < all.size(); ++r) {
+    double theirs[kFields];
+    std::memcpy(theirs, all[r].data(), sizeof(theirs));
+    if (theirs[5] >= 0) {
+      derived[r] = static_cast<int64_t>(theirs[5]);
+    }
+  }
+  bool moved = false;  // a cap appeared, went, or moved by more than 5%
+  for (size_t r = 0; r < derived.size(); ++r) {
+    const int64_t was = r < derivedCaps_.size() ? derivedCaps_[r] : derived[r];
+    constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+    moved = moved || ((was == kNone) != (derived[r] == kNone)) ||
+            (was != kNone && std::abs(static_cast<double>(derived[r] - was)) >
+                                 0.05 * static_cast<double>(std::max<int64_t>(was, 1)));
+  }
+  if (moved) {
+    HDDP_LOG_INFO(
+        "balance", "step ", step_, ": memory caps derived from measured memory ",
+        describeCaps(derived), " (", options_.memoryHeadroom * 100,
+        "% of each device kept free); this rank: ", MemoryEstimator::describe(memory_.fit()));
+  }
+  derivedCaps_ = derived;
+  if (costs_.size() != all.size()) {
+    costs_.resize(all.size());
+  }
+  std::vector<int64_t> hard;
+  for (const auto& c : costs_) {
+    hard.push_back(c.maxSamples);
+  }
+  Decision d = decide(estimates, withDerivedCaps(costs_), plan_, options_, !measured_);
+  for (size_t r = 0; r < d.costs.size() && r < hard.size(); ++r) {
+    d.costs[r].maxSamples = hard[r];  // the derived caps are re-derived at each update
+  }
   measured_ = measured_ || d.calibrated;
   costs_ = d.costs;
   const BatchPlan& next = d.plan;
@@ -266,7 +311,7 @@ bool BatchPlanner::setMemoryCap(int rank, int64_t maxSamples) {
   }
   costs_[static_cast<size_t>(rank)].maxSamples = maxSamples;
   // Plan from the last estimates; ranks not measured yet count as equally fast.
-  std::vector<RankCost> planning = costs_;
+  std::vector<RankCost> planning = withDerivedCaps(costs_);
   bool measured = true;
   for (const auto& c : planning) {
     measured = measured && c.secondsPerSample > 0;
@@ -312,7 +357,49 @@ std::vector<int64_t> BatchPlanner::memoryCaps() const {
   for (size_t r = 0; r < costs_.size() && r < caps.size(); ++r) {
     caps[r] = costs_[r].maxSamples;
   }
+  if (!derivedCapsDropped_) {
+    for (size_t r = 0; r < caps.size() && r < derivedCaps_.size(); ++r) {
+      caps[r] = std::min(caps[r], derivedCaps_[r]);
+    }
+  }
   return caps;
+}
+
+void BatchPlanner::recordMemory(const MemoryObservation& observation) {
+  memory_.record(observation);
+}
+
+std::vector<RankCost> BatchPlanner::withDerivedCaps(std::vector<RankCost> costs) {
+  int64_t capacity = 0;
+  bool unlimited = false;
+  std::vector<RankCost> capped = costs;
+  for (size_t r = 0; r < capped.size(); ++r) {
+    if (r < derivedCaps_.size()) {
+      capped[r].maxSamples = std::min(capped[r].maxSamples, derivedCaps_[r]);
+    }
+    const int64_t cap = capped[r].maxSamples;
+    if (cap == std::numeric_limits<int64_t>::max()) {
+      unlimited = true;
+    } else {
+      capacity += std::max<int64_t>(0, cap - options_.minLocalBatch);
+    }
+  }
+  const int64_t needed =
+      options_.globalBatch - options_.minLocalBatch * static_cast<int64_t>(capped.size());
+  if (unlimited || capacity >= needed) {
+    derivedCapsDropped_ = false;
+    return capped;
+  }
+  if (!derivedCapsDropped_) {
+    HDDP_LOG_WARN("balance", "step ", step_, ": the memory caps derived from measured memory ",
+                  describeCaps(derivedCaps_), " hold fewer samples than the global batch ",
+                  options_.globalBatch, ": planning without them (the ranks run beyond ",
+                  options_.memoryHeadroom * 100,
+                  "% headroom; an out-of-memory error would still teach a cap). Lower the "
+                  "global batch or save memory (AMP, activation checkpointing)");
+  }
+  derivedCapsDropped_ = true;
+  return costs;
 }
 
 BatchPlanner::State BatchPlanner::state() const {
@@ -367,8 +454,8 @@ void BatchPlanner::save(torch::serialize::OutputArchive& shared,
     costs.insert(costs.end(), fields.begin(), fields.end());
   }
 
-  for (int64_t cap : memoryCaps()) {
-    caps.push_back(cap == std::numeric_limits<int64_t>::max() ? -1 : cap);
+  for (const auto& c : costs_) {  // given or learned; derived caps are derived again
+    caps.push_back(c.maxSamples == std::numeric_limits<int64_t>::max() ? -1 : c.maxSamples);
   }
   shared.write("costs", doubles(costs).reshape({static_cast<int64_t>(costs_.size()),
                                                 static_cast<int64_t>(kRankCostFields)}));

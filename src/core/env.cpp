@@ -55,6 +55,13 @@ std::vector<Variable> makeRegistry() {
        "",
        "Emulation (tests/demos): out of memory above this many samples per step, e.g. 1:40.",
        {}},
+      {"HDDP_EMULATE_MEMORY",
+       Type::String,
+       "",
+       "Emulation (tests/demos): a rank's device memory in MiB as rank:FIXED+PER_SAMPLE/TOTAL, "
+       "e.g. 1:200+12/1000; what the Trainer measures and derives memory caps from, and out "
+       "of memory when a step needs more than TOTAL.",
+       {}},
       {"HDDP_DEVICE",
        Type::String,
        "",

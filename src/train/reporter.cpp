@@ -14,6 +14,12 @@ Reporter::Reporter(const std::string& metricsPath, int rank, bool append, bool s
       metrics_(metricsPathForRank(metricsPath, rank), append),
       progress_(std::make_unique<Progress>(rank == 0 && showProgress, live, logEvery)) {}
 
+void Reporter::config(const nlohmann::json& config) {
+  nlohmann::json record{{"kind", "config"}, {"rank", rank_}};
+  record.update(config);
+  metrics_.write(record);
+}
+
 void Reporter::step(const StepReport& r) {
   const double share = r.globalBatch > 0 ? static_cast<double>(r.localBatch) / r.globalBatch : 0.0;
   const double samplesPerSecond = r.stepSeconds > 0 ? r.globalBatch / r.stepSeconds : 0.0;
@@ -36,6 +42,9 @@ void Reporter::step(const StepReport& r) {
   if (r.transferSeconds > 0) {
     record["transfer_s"] = r.transferSeconds;
   }
+  if (r.emulatedSeconds > 0) {
+    record["emulated_s"] = r.emulatedSeconds;
+  }
   if (r.predictedAllreduceSeconds > 0) {
     record["allreduce_predicted_s"] = r.predictedAllreduceSeconds;
   }
@@ -44,6 +53,27 @@ void Reporter::step(const StepReport& r) {
   }
   if (r.planExchangeSeconds > 0) {
     record["plan_exchange_s"] = r.planExchangeSeconds;
+  }
+  if (r.memory.valid) {
+    nlohmann::json memory;
+    if (r.memory.device) {
+      memory = {{"peak_allocated_bytes", r.memory.peakBytes},
+                {"peak_reserved_bytes", r.memory.reservedPeakBytes},
+                {"base_bytes", r.memory.baseBytes},
+                {"total_bytes", r.memory.totalBytes}};
+      if (r.memory.otherBytes > 0) {
+        memory["other_bytes"] = r.memory.otherBytes;
+      }
+    } else {
+      memory = {{"resident_bytes", r.memory.residentBytes}};
+    }
+    if (r.memory.emulated) {
+      memory["emulated"] = true;
+    }
+    if (r.memoryCap >= 0) {
+      memory["cap_samples"] = r.memoryCap;
+    }
+    record["memory"] = memory;
   }
   metrics_.write(record);
   std::ostringstream extra;
@@ -61,6 +91,9 @@ void Reporter::epoch(const EpochReport& r) {
       {"epoch", r.epoch},          {"steps", r.steps},
       {"seconds", r.seconds},      {"samples_per_s", r.seconds > 0 ? r.samples / r.seconds : 0.0},
       {"train_loss", r.trainLoss}, {"plan", r.plan}};
+  if (r.peakMemoryBytes > 0) {
+    record["peak_memory_bytes"] = r.peakMemoryBytes;
+  }
   for (const auto& [k, v] : r.evaluation) {
     record[k] = v;
   }
@@ -119,6 +152,9 @@ void Reporter::summary(const TrainSummary& s, const std::map<std::string, double
                         {"samples_per_s", s.samplesPerSecond},
                         {"train_loss", s.lastTrainLoss},
                         {"repeated_steps", s.repeatedSteps}};
+  if (s.peakMemoryBytes > 0) {
+    record["peak_memory_bytes"] = s.peakMemoryBytes;
+  }
   for (const auto& [k, v] : evaluation) {
     record[k] = v;
   }

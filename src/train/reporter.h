@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "train/memory_meter.h"
 #include "train/metrics.h"
 
 namespace hddp {
@@ -32,6 +33,7 @@ struct StepReport {
   double commWaitSeconds = 0;
   double predictedAllreduceSeconds = 0;  // 0: not predicted (no link known)
   double transferSeconds = 0;            // input copy (device events) or emulated link
+  double emulatedSeconds = 0;            // the emulator's sleep (part of computeSeconds)
   double stepSeconds = 0;
   double loss = 0;
   double lossScale = 1;
@@ -39,6 +41,8 @@ struct StepReport {
   std::vector<int64_t> plan;
   std::vector<int64_t> newPlan;  // empty: the plan did not change
   double planExchangeSeconds = 0;
+  MemoryReading memory;    // valid: measured
+  int64_t memoryCap = -1;  // this rank's cap in the plan (-1: none)
 };
 
 struct EpochReport {
@@ -51,6 +55,7 @@ struct EpochReport {
   std::vector<int64_t> plan;
   std::string planText;
   std::map<std::string, double> evaluation;  // empty: not evaluated
+  double peakMemoryBytes = 0;                // MemoryReading::peak() over the epoch
 };
 
 class Reporter {
@@ -62,6 +67,8 @@ class Reporter {
   Reporter(const std::string& metricsPath, int rank, bool append, bool showProgress, bool live,
            int64_t logEvery);
 
+  /// The run's configuration, first in the file (each fit(), a resumed one too).
+  void config(const nlohmann::json& config);
   void step(const StepReport& report);
   void epoch(const EpochReport& report);
   /// An evaluation outside an epoch's end (maxSteps stopped the run inside one).

@@ -3,6 +3,8 @@
 #include <c10/core/CachingDeviceAllocator.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <limits>
 #include <optional>
 
 #include "hddp/core/autocast.h"
@@ -37,6 +39,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   clock.start = Clock::now();
   timer_->start(StepLabel{step_, batch.share.localBatch, batch.bytes});
   timer_->copySpan(batch.copyStarted, batch.copied);
+  memory_.beginStep();
   const std::string outOfMemory = forwardAndBackward(batch, clock);
   // Every rank learns whether some rank abandoned the step (read with the last bucket).
   // The results must be readable on the host first: on a CPU device the optimizer reads
@@ -54,6 +57,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
     return false;
   }
   const bool stepped = optimizerStep(batch, clock);
+  measureMemory(batch.share.localBatch);
   const double compute = measureAndReplan();
   report(batch, info, clock, compute, stepped);
   return true;
@@ -139,6 +143,16 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
   return stepped;
 }
 
+// This step's memory: for the metrics, the peaks, and the planner's memory caps.
+void Trainer::Impl::measureMemory(int64_t local) {
+  lastMemory_ = memory_.endStep(local);
+  epochPeakMemory_ = std::max(epochPeakMemory_, lastMemory_.peak());
+  runPeakMemory_ = std::max(runPeakMemory_, lastMemory_.peak());
+  if (planner_ && local > 0) {
+    planner_->recordMemory(lastMemory_.observation(local));
+  }
+}
+
 // This rank's compute seconds (time waiting for communication left out; an emulated
 // slower card or link adds its extra time here, the one place emulation stretches a
 // step), given to the planner, which may re-split the next steps. The step timer hands
@@ -152,6 +166,7 @@ double Trainer::Impl::measureAndReplan() {
   }
   double compute = 0.0;
   double transfer = 0.0;
+  double emulated = 0.0;
   for (const StepTiming& timing : timer_->collect()) {
     StepMeasurement m;
     m.samples = timing.label.samples;
@@ -165,7 +180,9 @@ double Trainer::Impl::measureAndReplan() {
       // Sleeps before the next step's gradients are sent, so the other ranks wait for
       // this one as they would for a slower card behind a slower link.
       const auto e0 = Clock::now();
+      const double before = m.computeSeconds;
       const double total = emulator_->apply(m.computeSeconds, m.bytes, timing.queuedSeconds);
+      emulated = total - before;
       emulatedTransfer = emulator_->transferSeconds(m.bytes);
       m.computeSeconds = total - emulatedTransfer;
       m.fixedSeconds = emulator_->stretch(m.fixedSeconds);
@@ -181,6 +198,7 @@ double Trainer::Impl::measureAndReplan() {
     }
   }
   lastTransferSeconds_ = transfer;
+  lastEmulatedSeconds_ = emulated;
   newPlan_ = false;
   if (planner_) {
     const auto p0 = Clock::now();
@@ -218,6 +236,7 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
   r.predictedAllreduceSeconds = predictedAllreduceSeconds_;
   r.transferSeconds = lastTransferSeconds_;
+  r.emulatedSeconds = lastEmulatedSeconds_;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
   r.stepped = stepped;
   r.plan = batch.share.plan.local;
@@ -225,6 +244,11 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
     r.newPlan = planner_->plan().local;
   }
   r.planExchangeSeconds = planner_ ? planner_->lastExchangeSeconds() : 0.0;
+  r.memory = lastMemory_;
+  if (planner_) {
+    const int64_t cap = planner_->memoryCaps()[static_cast<size_t>(comm_.rank())];
+    r.memoryCap = cap == std::numeric_limits<int64_t>::max() ? -1 : cap;
+  }
   reporter_.step(r);
 }
 

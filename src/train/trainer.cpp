@@ -17,6 +17,7 @@
 #include "hddp/core/logging.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
+#include "hddp/version.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
@@ -157,6 +158,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   lo.sampler.minLocalBatch = std::max(lo.sampler.minLocalBatch, options_.planner.minLocalBatch);
   loader_ = std::make_unique<PrefetchLoader>(std::move(train), rank, lo);
   emulator_ = std::make_unique<Emulator>(emulation, rank);
+  memory_ = train::MemoryMeter(device_, emulation);
   timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
   HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
   ddp_->setStepTimer(timer_.get());
@@ -358,6 +360,7 @@ TrainSummary Trainer::Impl::fit() {
                               options_.progress != ProgressMode::Off,
                               options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO),
                               options_.logEvery);
+  reporter_.config(runConfig());
   barrier();  // a common time zero for the timeline
   timeline_.setOrigin(Clock::now());
 
@@ -449,12 +452,33 @@ TrainSummary Trainer::Impl::fit() {
   summary.samplesPerSecond = summary.seconds > 0 ? samples / summary.seconds : 0.0;
   summary.lastTrainLoss = lastEpochLoss_;
   summary.repeatedSteps = repeatedSteps_;
+  summary.peakMemoryBytes = runPeakMemory_;
   summary.lastEvaluation = lastEvaluation_;
   if (timeline_.enabled()) {
     timeline_.write(comm_, options_.timelinePath);
   }
   reporter_.summary(summary, lastEvaluation_);
   return summary;
+}
+
+// The configuration a metrics file starts with (hddp-plot's title).
+nlohmann::json Trainer::Impl::runConfig() const {
+  const EmulationOptions& e = emulator_->options();
+  nlohmann::json c{{"world_size", comm_.size()},
+                   {"device", device_.str()},
+                   {"backend", backendName(comm_.backend())},
+                   {"global_batch", options_.globalBatch},
+                   {"epochs", options_.epochs},
+                   {"amp", ampModeName(options_.amp)},
+                   {"balance", planner_ != nullptr},
+                   {"hddp", version()}};
+  if (e.active()) {
+    c["emulation"] = {{"slowdown", e.slowdown},
+                      {"link_GBps", e.linkBytesPerSecond / 1e9},
+                      {"memory_cap_samples", e.memoryCapSamples},
+                      {"memory_total_bytes", e.memoryTotalBytes}};
+  }
+  return c;
 }
 
 int64_t Trainer::Impl::plannedSteps() const {
@@ -506,6 +530,8 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   const BatchPlan plan = currentPlan();
   r.plan = plan.local;
   r.planText = plan.describe();
+  r.peakMemoryBytes = epochPeakMemory_;
+  epochPeakMemory_ = 0;
   reporter_.epoch(r);
 }
 

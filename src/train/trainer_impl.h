@@ -12,6 +12,7 @@
 #include "hddp/train/timeline.h"
 #include "hddp/train/trainer.h"
 #include "train/elastic.h"
+#include "train/memory_meter.h"
 #include "train/reporter.h"
 #include "train/trainer_state.h"
 
@@ -52,6 +53,7 @@ class Trainer::Impl {
   /// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
   bool optimizerStep(const Batch& batch, StepClock& clock);
   /// This rank's compute seconds, given to the planner, which may re-split.
+  void measureMemory(int64_t local);
   double measureAndReplan();
   void report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,
               bool stepped);
@@ -84,6 +86,10 @@ class Trainer::Impl {
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<PrefetchLoader> loader_;
   std::unique_ptr<Emulator> emulator_;
+  train::MemoryMeter memory_;
+  train::MemoryReading lastMemory_;  // this step's (valid after a step with samples)
+  double epochPeakMemory_ = 0;       // MemoryReading::peak() over the epoch, the run
+  double runPeakMemory_ = 0;
   std::unique_ptr<StepTimer> timer_;
   bool hasSyncBatchNorm_ = false;
   ScheduleFn schedule_;
@@ -102,6 +108,7 @@ class Trainer::Impl {
   double evaluationSeconds_ = 0;
   /// Steps planned in all (StepInfo::totalSteps).
   int64_t plannedSteps() const;
+  nlohmann::json runConfig() const;
   /// Every 10 steps with a time budget: the ranks agree on the step that ends the run.
   void updateTimeBudget();
   bool midEpoch_ = false;
@@ -115,6 +122,7 @@ class Trainer::Impl {
   // (0: not predicted): a time per step that no split of the batch changes.
   double predictedAllreduceSeconds_ = 0;
   double lastTransferSeconds_ = 0;  // the newest measured input transfer (0: none)
+  double lastEmulatedSeconds_ = 0;  // the emulator's sleep after this step (0: none)
   double epochLossSum_ = 0;
   int64_t epochSamples_ = 0;
   double lastEpochLoss_ = 0;

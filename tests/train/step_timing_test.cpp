@@ -315,7 +315,11 @@ TEST(StepTiming, MeasuredCopyTimesReachThePlanner) {
   model[1].linkBytesPerSecond = linkBytesPerSecond;
   const auto predicted = hddp::solveSplit(model, 32).local;  // [26, 6]
   EXPECT_EQ(last[0], last[1]);
-  EXPECT_NEAR(last[0][1], predicted[1], 2) << describe(last[0]);
+  // Without the measured copies the split stays at the seed's [16, 16]. With them it
+  // goes to the link's [26, 6], give or take the compute's noise: under ctest -j2 on 2
+  // cores one run measured rank 0's compute 20% above rank 1's and settled at [23, 9].
+  EXPECT_GE(last[0][1], predicted[1] - 2) << describe(last[0]);
+  EXPECT_LE(last[0][1], predicted[1] + 4) << describe(last[0]);
   EXPECT_NEAR(costs[0][1].linkBytesPerSecond, linkBytesPerSecond, 0.1 * linkBytesPerSecond);
   EXPECT_EQ(costs[0][0].linkBytesPerSecond, 0.0);
   std::ifstream in(dir + "/m.rank1.jsonl");

@@ -7,6 +7,11 @@
 //   HDDP_EMULATE_LINK_GBPS=1:2.8     rank 1's input link carries 2.8 GB/s
 //   HDDP_EMULATE_MEMORY_CAP=1:40     rank 1 runs out of memory (c10::OutOfMemoryError)
 //                                    when given more than 40 samples in a step
+//   HDDP_EMULATE_MEMORY=1:200+12/1000
+//                                    rank 1's memory reads 200 MiB + 12 MiB per sample
+//                                    of a 1000 MiB device (what the Trainer measures and
+//                                    derives caps from), and it runs out of memory when
+//                                    a step needs more than the device has
 #pragma once
 
 #include <chrono>
@@ -25,7 +30,16 @@ struct EmulationOptions {
   /// Largest local batch that "fits"; a larger one throws c10::OutOfMemoryError in the
   /// forward pass, as a card out of memory does. 0 = off.
   int64_t memoryCapSamples = 0;
-  bool active() const { return slowdown != 1.0 || linkBytesPerSecond > 0 || memoryCapSamples > 0; }
+  /// Emulated device memory: the rank's memory reads fixed + perSample x b bytes in a
+  /// step of b samples, of a device of memoryTotalBytes; a step that needs more
+  /// throws c10::OutOfMemoryError. memoryTotalBytes 0 = off.
+  double memoryFixedBytes = 0.0;
+  double memoryPerSampleBytes = 0.0;
+  double memoryTotalBytes = 0.0;
+  bool emulatesMemory() const { return memoryTotalBytes > 0; }
+  bool active() const {
+    return slowdown != 1.0 || linkBytesPerSecond > 0 || memoryCapSamples > 0 || emulatesMemory();
+  }
   /// ConfigError naming `rank` for a slowdown below 1, above 1e6 or not finite (inf
   /// would sleep forever), a negative or infinite bandwidth, a negative cap.
   void validate(int rank) const;
@@ -43,6 +57,13 @@ EmulationOptions emulationFromEnv(int rank, int worldSize);
 std::vector<double> parseRankValues(const std::string& variable, const std::string& text,
                                     int worldSize, double fallback);
 
+/// One rank's emulated memory from HDDP_EMULATE_MEMORY's syntax, per rank
+/// "rank:FIXED+PER_SAMPLE/TOTAL" in MiB, items separated by commas ("1:200+12/1000").
+/// Sets the three memory fields of `options` when `rank` is listed; ConfigError naming
+/// `variable` for a malformed item, a rank outside the job, a negative size, or a total
+/// that does not hold the fixed part.
+void parseEmulatedMemory(const std::string& variable, const std::string& text, int worldSize,
+                         int rank, EmulationOptions& options);
 /// parseRankValues for memory caps: a listed cap is a whole number of samples >= 1
 /// (0 is an error, not "no cap"); an unlisted rank gets 0 = no cap.
 std::vector<int64_t> parseRankCaps(const std::string& variable, const std::string& text,
@@ -70,8 +91,10 @@ class Emulator {
                ? static_cast<double>(bytes) / options_.linkBytesPerSecond
                : 0.0;
   }
-  /// Throws c10::OutOfMemoryError when `samples` exceed the emulated memory cap.
+  /// Throws c10::OutOfMemoryError when `samples` exceed the emulated memory cap, or
+  /// need more than the emulated device memory.
   void checkMemory(int64_t samples) const;
+  const EmulationOptions& options() const { return options_; }
 
  private:
   EmulationOptions options_;

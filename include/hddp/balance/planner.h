@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "hddp/balance/batch_plan.h"
+#include "hddp/balance/memory_model.h"
 #include "hddp/comm/communicator.h"
 
 namespace hddp {
@@ -49,6 +50,10 @@ struct PlannerSettings {
   /// Smallest share per rank (1 with SyncBatchNorm, whose layers need a sample on every
   /// rank). Default 0.
   int64_t minLocalBatch = 0;
+  /// Memory caps derived from each rank's measured memory (recordMemory(); see
+  /// hddp/balance/memory_model.h) keep this fraction of the device's memory free.
+  /// Default 0.10. Caps are derived only on ranks that record memory.
+  double memoryHeadroom = 0.10;
 };
 
 /// What one step of one rank measured.
@@ -142,6 +147,11 @@ class BatchPlanner {
   void record(int64_t samples, double computeSeconds);
   /// Records what this rank's step measured (compute, its fixed part, input transfer).
   void record(const StepMeasurement& measurement);
+  /// Records what this rank's memory did in a step; the cap it implies is exchanged
+  /// with the estimates at the next update and bounds the plan from then on.
+  void recordMemory(const MemoryObservation& observation);
+  /// This rank's memory fit so far (steps == 0: nothing recorded).
+  MemoryEstimator::Fit memoryFit() const { return memory_.fit(); }
   /// Ends a step; every rank calls it every step. Every rebalanceEvery steps it
   /// exchanges estimates and may change the plan; returns true when it did.
   bool endStep();
@@ -158,8 +168,12 @@ class BatchPlanner {
   /// hddp::ConfigError when the caps can no longer hold the global batch. Returns
   /// true when the plan changed.
   bool setMemoryCap(int rank, int64_t maxSamples);
-  /// Each rank's memory cap (std::numeric_limits<int64_t>::max() = none).
+  /// Each rank's memory cap (std::numeric_limits<int64_t>::max() = none): the lower of
+  /// the cap given or learned from an out-of-memory error and the cap derived from its
+  /// measured memory.
   std::vector<int64_t> memoryCaps() const;
+  /// The caps derived from measured memory at the last update (max() = none).
+  const std::vector<int64_t>& derivedMemoryCaps() const { return derivedCaps_; }
   int64_t step() const { return step_; }
 
   /// Everything needed to resume the planner at the same step (the Trainer's state
@@ -219,6 +233,13 @@ class BatchPlanner {
   BatchPlan plan_;
   std::vector<RankCost> costs_;
   RankEstimator estimator_;
+  MemoryEstimator memory_;
+  /// Per rank, from the exchange; costs_[r].maxSamples keeps the given or learned cap.
+  std::vector<int64_t> derivedCaps_;
+  bool derivedCapsDropped_ = false;  // said once: they could not hold the global batch
+  /// `costs` with each rank's cap lowered to its derived cap, unless those caps could
+  /// not hold the global batch together.
+  std::vector<RankCost> withDerivedCaps(std::vector<RankCost> costs);
   int64_t firstUpdate() const;
   /// The per-rank costs and memory caps of a saved state (save()'s "costs", "caps").
   std::vector<RankCost> readCosts(torch::serialize::InputArchive& shared) const;

@@ -169,6 +169,9 @@ struct TrainSummary {
   double samplesPerSecond = 0;  // global samples / s over this fit()
   double lastTrainLoss = 0;     // the last epoch's mean loss over all ranks' samples
   int64_t repeatedSteps = 0;    // steps abandoned and repeated after running out of memory
+  /// This rank's peak memory over the fit: the allocator's peak allocated bytes on a
+  /// device (or the emulated device), the process's resident set on the CPU.
+  double peakMemoryBytes = 0;
   std::map<std::string, double> lastEvaluation;
   std::string lastStateFile;
 };

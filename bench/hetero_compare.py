@@ -12,7 +12,8 @@ one run:
     afterwards (oscillation). The best share is given for the speeds the ranks measured
     after the change (on two shared cores rank 0 slows when rank 1 computes more) and
     for the nominal speeds, B/(k/2+1);
-  - an SVG chart of the shares and step times over the adaptation run;
+  - a chart of the shares (the best ones dashed) and step times over the adaptation
+    run, drawn with hddp-plot's code (--svg, matplotlib);
   - where the planner's gap goes (from --trace): the ranks' own speed while they train
     together ("capacity", against the ideal) and the share of it the steps deliver.
 
@@ -43,36 +44,38 @@ def rank_rates(traces):
     return rates
 
 
-def svg_chart(steps, B, change_at, best_before, best_after, path):
-    w, h, pad = 720, 300, 50
-    n = len(steps)
-    xs = lambda i: pad + (w - 2 * pad) * i / max(1, n - 1)
-    share = [s["local"][1] / B for s in steps]
+def chart(steps, B, change_at, best_before, best_after, k, path):
+    """Rank 1's share (and rank 0's) over the adaptation run with the best shares dashed,
+    and the step time, drawn with hddp-plot's code (tools/hddp-plot/hddp_plot.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "hddp-plot"))
+    import hddp_plot
+    plt = hddp_plot.matplotlib_pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    xs = [s["step"] for s in steps]
+    shares = {r: [s["local"][r] / B for s in steps] for r in range(len(steps[0]["local"]))}
+    changes = [cur["step"] for prev, cur in zip(steps, steps[1:]) if cur["local"] != prev["local"]]
+    hddp_plot.share_panel(top, xs, shares, changes,
+                          best=[(xs[0], change_at, best_before / B, "rank 1's best share"),
+                                (change_at, xs[-1], best_after / B, None)])
+    top.set_xlabel("")
+    top.set_ylim(0, 1)
+    top.set_title(f"2 CPU ranks, ResNet-20, global batch {B}: rank 1 emulated {k:g}x slower, "
+                  f"{k / 2:g}x from step {change_at}", fontsize=10)
+    for ax in (top, bottom):
+        ax.axvline(change_at, color="k", linewidth=1)
+    top.annotate("rank 1 speeds up 2x", (change_at, 0.93), xytext=(4, 0), textcoords="offset points", fontsize=9)
     times = [s["step_seconds"] for s in steps]
-    tmax = max(times) * 1.1
-    ys = lambda v: h - pad - (h - 2 * pad) * v
-    yt = lambda t: h - pad - (h - 2 * pad) * t / tmax
-    line = lambda pts, color: '<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>' % (
-        color, " ".join("%.1f,%.1f" % p for p in pts))
-    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="12">' % (w, h),
-             '<rect width="100%" height="100%" fill="white"/>',
-             '<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (pad, h - pad, w - pad, h - pad),
-             '<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="black"/>' % (pad, pad, pad, h - pad),
-             line([(xs(i), ys(v)) for i, v in enumerate(share)], "#1f77b4"),
-             line([(xs(i), yt(t)) for i, t in enumerate(times)], "#ff7f0e")]
-    for best, lo, hi in ((best_before, 0, change_at), (best_after, change_at, n - 1)):
-        parts.append('<line x1="%.1f" y1="%.1f" x2="%.1f" y2="%.1f" stroke="#1f77b4" stroke-dasharray="4 3"/>' % (
-            xs(lo), ys(best), xs(hi), ys(best)))
-    parts.append('<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="gray" stroke-dasharray="2 2"/>' % (
-        xs(change_at), pad, xs(change_at), h - pad))
-    parts += ['<text x="%d" y="20">rank 1 share of the global batch (blue; dashed: best) and step time (orange, max %.2f s)</text>' % (pad, tmax),
-              '<text x="%.1f" y="%d">rank 1 speeds up 2x</text>' % (xs(change_at) + 4, pad + 12),
-              '<text x="%d" y="%d">step</text>' % (w // 2, h - 15)]
-    for v in (0, 0.25, 0.5):
-        parts.append('<text x="5" y="%.1f">%.2f</text>' % (ys(v) + 4, v))
-    parts.append("</svg>")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
+    bottom.plot(xs, times, color="0.7", linewidth=0.8, label="per step")
+    bottom.plot(xs, hddp_plot.smooth(times, 5), color=hddp_plot.COLORS[3], linewidth=1.6, label="moving median of 5")
+    bottom.set_ylim(0, max(times) * 1.1)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("step time (s)")
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    stem, ext = os.path.splitext(path)
+    hddp_plot.save(fig, stem, [ext.lstrip(".") or "svg"])
+    plt.close(fig)
 
 
 def main():
@@ -171,7 +174,7 @@ def main():
     changes_after["nominal"] = settle(nominal_best)
     best_after = measured_best
     if a.svg:
-        svg_chart(adapt_steps, B, a.change_at, B / (k + 1), best_after, a.svg)
+        chart(adapt_steps, B, a.change_at, B / (k + 1), best_after, k, a.svg)
         print(f"  chart: {a.svg}")
     if a.json:
         with open(a.json, "w") as f:

@@ -101,6 +101,9 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
                  "DEMO ONLY: limit ranks' input link, e.g. 1:2.8 (GB/s)");
   app.add_option("--emulate-memory-cap", f.emulateMemoryCap,
                  "DEMO ONLY: ranks run out of memory above this many samples, e.g. 1:40");
+  app.add_option("--emulate-memory", f.emulateMemory,
+                 "DEMO ONLY: ranks' device memory in MiB, FIXED+PER_SAMPLE/TOTAL, e.g. "
+                 "1:200+12/1000 (measured, caps derived from it, out of memory above TOTAL)");
   app.add_option("--max-local-batch", f.maxLocalBatch,
                  "Memory caps: the most samples a rank may get per step, e.g. 1:40 or 0:96,1:40 "
                  "(otherwise learned when a rank runs out of memory)");
@@ -191,7 +194,8 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   if (!f.maxLocalBatch.empty()) {
     o.maxLocalBatch = parseRankCaps("--max-local-batch", f.maxLocalBatch, ctx.worldSize());
   }
-  if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty() || !f.emulateMemoryCap.empty()) {
+  if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty() || !f.emulateMemoryCap.empty() ||
+      !f.emulateMemory.empty()) {
     // flags override the environment
     EmulationOptions e = emulationFromEnv(ctx.rank(), ctx.worldSize());
     const auto rank = static_cast<size_t>(ctx.rank());
@@ -207,6 +211,9 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
     if (!f.emulateMemoryCap.empty()) {
       e.memoryCapSamples =
           parseRankCaps("--emulate-memory-cap", f.emulateMemoryCap, ctx.worldSize())[rank];
+    }
+    if (!f.emulateMemory.empty()) {
+      parseEmulatedMemory("--emulate-memory", f.emulateMemory, ctx.worldSize(), ctx.rank(), e);
     }
     e.validate(ctx.rank());
     o.emulation = e;

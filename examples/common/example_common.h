@@ -59,6 +59,7 @@ struct CommonFlags {
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
   std::string emulateMemoryCap;
+  std::string emulateMemory;
   std::string maxLocalBatch;
   uint64_t seed = 0;
   int64_t limitTrain = 0;

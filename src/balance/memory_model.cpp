@@ -89,6 +89,9 @@ int64_t MemoryEstimator::capFor(const Fit& f, double headroom) {
 }
 
 std::string MemoryEstimator::describe(const Fit& f) {
+  if (f.steps == 0) {
+    return "no device memory measured";
+  }
   constexpr double kMiB = 1024.0 * 1024.0;
   char b[160];
   std::snprintf(b, sizeof(b), "%.1f MiB + %.2f MiB/sample of %.1f MiB (others %.1f MiB)",

@@ -104,7 +104,7 @@ BatchPlanner::BatchPlanner(Communicator& communicator, PlannerOptions options,
                   "initial costs for ", costs_.size(), " ranks in a group of ", comm_.size());
     plan_ = solveWithMinimum(costs_, options_.globalBatch, options_.minLocalBatch);
   }
-  HDDP_LOG_INFO("balance", "initial plan ", plan_.describe());
+  HDDP_LOG_SHARED("balance", comm_.rank(), "initial plan ", plan_.describe());
 }
 
 void BatchPlanner::record(int64_t samples, double computeSeconds) {
@@ -269,10 +269,11 @@ bool BatchPlanner::endStep() {
                                  0.05 * static_cast<double>(std::max<int64_t>(was, 1)));
   }
   if (moved) {
-    HDDP_LOG_INFO(
-        "balance", "step ", step_, ": memory caps derived from measured memory ",
-        describeCaps(derived), " (", options_.memoryHeadroom * 100,
-        "% of each device kept free); this rank: ", MemoryEstimator::describe(memory_.fit()));
+    HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_,
+                    ": memory caps derived from measured memory ", describeCaps(derived), " (",
+                    options_.memoryHeadroom * 100, "% of each device kept free)");
+    HDDP_LOG_DEBUG("balance", "rank ", comm_.rank(),
+                   "'s memory: ", MemoryEstimator::describe(memory_.fit()));
   }
   derivedCaps_ = derived;
   if (costs_.size() != all.size()) {
@@ -292,9 +293,9 @@ bool BatchPlanner::endStep() {
   const std::vector<double>& errors = d.errors;
   const bool changed = next.local != plan_.local;
   if (changed) {
-    HDDP_LOG_INFO("balance", "step ", step_, ": plan ", plan_.describe(), " -> ", next.describe(),
-                  " (predicted step ", next.predictedStepSeconds, " s; ",
-                  describeCosts(costs_, errors), ")");
+    HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_, ": plan ", plan_.describe(), " -> ",
+                    next.describe(), " (predicted step ", next.predictedStepSeconds, " s; ",
+                    describeCosts(costs_, errors), ")");
   }
   plan_ = next;
   return changed;
@@ -345,8 +346,8 @@ bool BatchPlanner::setMemoryCap(int rank, int64_t maxSamples) {
   }
   const bool changed = next.local != plan_.local;
   if (changed) {
-    HDDP_LOG_INFO("balance", "step ", step_, ": rank ", rank, " capped at ", maxSamples,
-                  " samples; plan ", plan_.describe(), " -> ", next.describe());
+    HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_, ": rank ", rank, " capped at ",
+                    maxSamples, " samples; plan ", plan_.describe(), " -> ", next.describe());
   }
   plan_ = next;
   return changed;
@@ -424,7 +425,8 @@ void BatchPlanner::restore(const State& state) {
   for (const auto& c : costs_) {
     measured_ = measured_ && c.secondsPerSample > 0;
   }
-  HDDP_LOG_INFO("balance", "resumed at step ", step_, " with plan ", plan_.describe());
+  HDDP_LOG_SHARED("balance", comm_.rank(), "resumed at step ", step_, " with plan ",
+                  plan_.describe());
 }
 
 namespace {
@@ -545,9 +547,9 @@ void BatchPlanner::loadRemapped(torch::serialize::InputArchive& shared,
   costs_ = costs;
   estimator_.restore({window.begin(), window.end()});
   measured_ = allKnown && costed && step_ >= firstUpdate();
-  HDDP_LOG_INFO(
-      "balance", "resumed at step ", step_, " with ", comm_.size(), " ranks (", saved.size(),
-      " saved): plan ", plan_.describe(),
+  HDDP_LOG_SHARED(
+      "balance", comm_.rank(), "resumed at step ", step_, " with ", comm_.size(), " ranks (",
+      saved.size(), " saved): plan ", plan_.describe(),
       allKnown ? std::string() : std::string(", newcomers measured from the next update"));
 }
 

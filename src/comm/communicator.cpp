@@ -410,8 +410,8 @@ std::unique_ptr<Communicator> makeCommunicator(const Store& store, int rank, int
   } catch (...) {
     detail::rethrowAsDistributed(what, detail::FailedOperation::Backend);
   }
-  HDDP_LOG_INFO("comm", "joined a ", size, "-rank ", backendName(options.backend),
-                " group as rank ", rank, " (timeout ", timeout.count() / 1000, " s)");
+  HDDP_LOG_SHARED("comm", rank, "joined a ", size, "-rank ", backendName(options.backend),
+                  " group as rank ", rank, " (timeout ", timeout.count() / 1000, " s)");
   return std::make_unique<C10dCommunicator>(std::move(backend), options.backend, rank, size,
                                             timeout, options.device);
 }

@@ -116,9 +116,9 @@ class DistributedDataParallel::Impl {
     }
     buildBuckets(order);
     registerHooks();
-    HDDP_LOG_INFO("ddp", "wrapping ", params_.size(), " parameters (", frozen_.size(),
-                  " frozen) and ", buffers_.size(), " buffers in ", buckets_.size(),
-                  " bucket(s); rank ", comm_.rank(), "/", comm_.size());
+    HDDP_LOG_SHARED("ddp", comm_.rank(), "wrapping ", params_.size(), " parameters (",
+                    frozen_.size(), " frozen) and ", buffers_.size(), " buffers in ",
+                    buckets_.size(), " bucket(s); rank ", comm_.rank(), "/", comm_.size());
   }
 
   ~Impl() {

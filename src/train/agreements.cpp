@@ -37,9 +37,9 @@ void Trainer::Impl::updateTimeBudget() {
   const bool first = budgetSteps_ == 0;
   budgetSteps_ = std::max<int64_t>(step_, step_ + more);
   if (first) {
-    HDDP_LOG_INFO("train", "time budget ", options_.timeBudgetSeconds, " s: ", perStep * 1e3,
-                  " ms per step after ", done, " steps, so ", plannedSteps(),
-                  " steps in all (re-measured every ", kEvery, " steps)");
+    HDDP_LOG_SHARED("train", comm_.rank(), "time budget ", options_.timeBudgetSeconds,
+                    " s: ", perStep * 1e3, " ms per step after ", done, " steps, so ",
+                    plannedSteps(), " steps in all (re-measured every ", kEvery, " steps)");
   }
 }
 
@@ -72,8 +72,9 @@ void Trainer::Impl::commit(TrainSummary& summary) {
   lastCommitTime_ = Clock::now();
   lastCommitStep_ = step_;
   if (t[0].item<double>() > 0) {
-    HDDP_LOG_INFO("train", "elastic: committed step ", step_, " to ", summary.lastStateFile,
-                  "; leaving for the group to re-form (exit code ", train::kReformExitCode, ")");
+    HDDP_LOG_SHARED("train", comm_.rank(), "elastic: committed step ", step_, " to ",
+                    summary.lastStateFile, "; leaving for the group to re-form (exit code ",
+                    train::kReformExitCode, ")");
     std::fflush(nullptr);                // log lines and metrics are written through at once
     std::_Exit(train::kReformExitCode);  // loader threads may be mid-batch: no unwinding
   }

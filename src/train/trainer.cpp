@@ -134,7 +134,8 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     // SyncBatchNorm's collectives run in forward: a rank without samples would skip
     // them while the others wait. Every rank keeps at least one sample in every step.
     options_.planner.minLocalBatch = 1;
-    HDDP_LOG_INFO("train", "SyncBatchNorm: every rank gets at least one sample per step");
+    HDDP_LOG_SHARED("train", comm.rank(),
+                    "SyncBatchNorm: every rank gets at least one sample per step");
   }
   const EmulationOptions emulation =
       options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
@@ -165,12 +166,12 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   // Every collective's wait in a step is waiting, not compute: SyncBatchNorm's in
   // forward and backward, a user's own, DDP's buckets.
   comm_.setWaitTimer(timer_.get());
-  HDDP_LOG_INFO("train", "rank ", rank, "/", comm.size(), " on ", device_.str(), ": ",
-                loader_->dataset().describe(), "; global batch ", options_.globalBatch, ", ",
-                options_.epochs, " epochs, amp ", ampModeName(options_.amp), ", ",
-                options_.balance ? "planner" : "equal split", ", ", lo.workers,
-                " loader workers, prefetch depth ", lo.depth, "; step compute timed by ",
-                timer_->describe());
+  HDDP_LOG_SHARED("train", rank, "rank ", rank, "/", comm.size(), " on ", device_.str(), ": ",
+                  loader_->dataset().describe(), "; global batch ", options_.globalBatch, ", ",
+                  options_.epochs, " epochs, amp ", ampModeName(options_.amp), ", ",
+                  options_.balance ? "planner" : "equal split", ", ", lo.workers,
+                  " loader workers, prefetch depth ", lo.depth, "; step compute timed by ",
+                  timer_->describe());
 }
 
 Trainer::Impl::~Impl() {
@@ -274,11 +275,11 @@ void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
   }
   predictedAllreduceSeconds_ = ringAllreduceSeconds(bytes, comm_.size(), slowest);
   if (predictedAllreduceSeconds_ > 0) {
-    HDDP_LOG_INFO("balance", "gradient allreduce: ", bytes / 1e6,
-                  " MB over the slowest link (rank ", slowestRank, ", ", slowest / 1e9,
-                  " GB/s) takes ", predictedAllreduceSeconds_ * 1e3,
-                  " ms per step (ring model); no split changes it, backward hides part of it "
-                  "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");
+    HDDP_LOG_SHARED("balance", comm_.rank(), "gradient allreduce: ", bytes / 1e6,
+                    " MB over the slowest link (rank ", slowestRank, ", ", slowest / 1e9,
+                    " GB/s) takes ", predictedAllreduceSeconds_ * 1e3,
+                    " ms per step (ring model); no split changes it, backward hides part of it "
+                    "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");
   }
 }
 
@@ -328,8 +329,8 @@ TrainSummary Trainer::Impl::fit() {
   const int restarts = launcherRestartCount();
   sampleLog_.open(comm_.rank(), restarts);
   if (resume.empty() && restarts > 0 && options_.resumeOnRestart && !options_.saveDir.empty()) {
-    HDDP_LOG_INFO("train", "restart ", restarts,
-                  " by the launcher: resuming from the newest state in ", options_.saveDir);
+    HDDP_LOG_SHARED("train", comm_.rank(), "restart ", restarts,
+                    " by the launcher: resuming from the newest state in ", options_.saveDir);
     resume = options_.saveDir;
   }
   // The last step the previous generation reached, before this one marks any.
@@ -348,11 +349,12 @@ TrainSummary Trainer::Impl::fit() {
                          ",\"commits\":" + train::jsonQuote(options_.saveDir));
     }
     if (restarts > 0 && reached > step_) {
-      HDDP_LOG_INFO("train", "elastic: steps ", step_ + 1, "..", reached,
-                    " were trained before the group re-formed and are trained again (",
-                    reached - step_, " steps)");
+      HDDP_LOG_SHARED("train", comm_.rank(), "elastic: steps ", step_ + 1, "..", reached,
+                      " were trained before the group re-formed and are trained again (",
+                      reached - step_, " steps)");
     } else if (restarts > 0) {
-      HDDP_LOG_INFO("train", "elastic: resumed at step ", step_, "; no step is trained again");
+      HDDP_LOG_SHARED("train", comm_.rank(), "elastic: resumed at step ", step_,
+                      "; no step is trained again");
     }
     progressMark_.open(options_.saveDir, elastic_.slot);
   }
@@ -584,9 +586,10 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   midEpoch_ = loaded.meta.midEpoch;
   samplerState_ = loaded.sampler;
   resumed_ = true;
-  HDDP_LOG_INFO("train", "resumed from ", loaded.path, " at step ", step_, ", epoch ", epoch_,
-                midEpoch_ ? " (mid-epoch, sample " + std::to_string(samplerState_.position) + ")"
-                          : std::string());
+  HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", loaded.path, " at step ", step_,
+                  ", epoch ", epoch_,
+                  midEpoch_ ? " (mid-epoch, sample " + std::to_string(samplerState_.position) + ")"
+                            : std::string());
 }
 
 Trainer::Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> model,

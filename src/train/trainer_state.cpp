@@ -317,7 +317,8 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   InputArchive plannerShared;
   const bool hasPlanner = parts.planner && archive.try_read("planner", plannerShared);
   if (parts.planner && !hasPlanner) {
-    HDDP_LOG_INFO("train", path, " was saved with the equal split: the planner starts afresh");
+    HDDP_LOG_SHARED("train", parts.comm.rank(), path,
+                    " was saved with the equal split: the planner starts afresh");
   }
   const std::vector<int> from = matchMembers(parts, archive, meta.worldSize, path);
   if (meta.worldSize != parts.comm.size() || std::count(from.begin(), from.end(), -1) > 0) {
@@ -326,9 +327,9 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
       map += (r ? ", " : "") + std::to_string(r) + "<-" +
              (from[r] < 0 ? std::string("new") : std::to_string(from[r]));
     }
-    HDDP_LOG_INFO("train", path, " was saved by ", meta.worldSize, " ranks; it loads into ",
-                  parts.comm.size(), " (rank<-saved rank: ", map,
-                  "); the sampler goes on with the same global order");
+    HDDP_LOG_SHARED("train", parts.comm.rank(), path, " was saved by ", meta.worldSize,
+                    " ranks; it loads into ", parts.comm.size(), " (rank<-saved rank: ", map,
+                    "); the sampler goes on with the same global order");
   }
   loadRankBlob(parts, archive, hasPlanner ? &plannerShared : nullptr, from, meta.worldSize, path);
   return loaded;

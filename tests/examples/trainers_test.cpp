@@ -304,3 +304,72 @@ TEST(ExampleCommon, RandomSubsetsAreDisjointSeededAndChecked) {
 }
 
 }  // namespace
+
+// hddp-plot draws the metrics files of a real 2-rank run (rank 1 emulated slower, with
+// an emulated device memory) as PNG and SVG, and says what is wrong with bad input.
+TEST(HddpPlot, DrawsATwoRankRunsMetricsAsPngAndSvg) {
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::string metrics = dir + "/metrics.jsonl";
+  const auto run = hddp::testing::runCommand(
+      "HDDP_DEVICE=cpu " + hddp::testing::toolsDir() + "/hddp-run --nproc-per-node 2 -- " +
+      kResnet + " " + kTinyResnet +
+      " --emulate-slowdown 1:2 --emulate-memory 1:100+1/400 --threads 1 --progress off "
+      "--metrics " +
+      metrics);
+  ASSERT_EQ(run.exitCode, 0) << run.output;
+  const std::string plot = hddp::testing::toolsDir() + "/../hddp-plot/hddp-plot";
+  const auto drawn = hddp::testing::runCommand(plot + " " + metrics + " -o " + dir + "/chart");
+  ASSERT_EQ(drawn.exitCode, 0) << drawn.output;
+  for (const std::string ext : {"png", "svg"}) {
+    const std::string path = dir + "/chart." + ext;
+    EXPECT_NE(drawn.output.find(path), std::string::npos) << drawn.output;
+    ASSERT_TRUE(std::filesystem::exists(path)) << path;
+    EXPECT_GT(std::filesystem::file_size(path), 20000u) << path;
+    std::ifstream in(path, std::ios::binary);
+    std::string head(256, '\0');
+    in.read(&head[0], static_cast<std::streamsize>(head.size()));
+    EXPECT_NE(head.find(ext == "png" ? "PNG" : "<svg"), std::string::npos) << path;
+  }
+  const auto missing = hddp::testing::runCommand(plot + " " + dir + "/nothing.jsonl");
+  EXPECT_EQ(missing.exitCode, 1) << missing.output;
+  EXPECT_NE(missing.output.find("no such file"), std::string::npos) << missing.output;
+  std::ofstream(dir + "/empty.jsonl") << "{\"kind\":\"config\",\"rank\":0}\n";
+  const auto empty = hddp::testing::runCommand(plot + " " + dir + "/empty.jsonl");
+  EXPECT_EQ(empty.exitCode, 1) << empty.output;
+  EXPECT_NE(empty.output.find("no step records"), std::string::npos) << empty.output;
+  const auto format = hddp::testing::runCommand(plot + " " + metrics + " --format gif");
+  EXPECT_EQ(format.exitCode, 2) << format.output;
+  EXPECT_NE(format.output.find("give png, svg or pdf"), std::string::npos) << format.output;
+  removeTree(dir);
+}
+
+// Under hddp-run in a terminal, rank 0's live progress bar shows (a pseudo-terminal for
+// its stderr, passed through unprefixed) and rank 1's lines stay prefixed, each on a
+// line of its own; --no-tty, or no terminal, gives progress lines instead.
+TEST(HddpRunTerminal, RankZerosLiveBarShowsAndOtherRanksLinesStayWhole) {
+  const std::string run = hddp::testing::toolsDir() + "/hddp-run --nproc-per-node 2 ";
+  const std::string trainer = " -- " + kResnet + " " + kTinyResnet + " --threads 1 --progress auto";
+  const auto live = hddp::testing::runInTerminal("HDDP_LOG_LEVEL=info " + run + trainer);
+  ASSERT_EQ(live.exitCode, 0) << live.output;
+  EXPECT_NE(live.output.find("\r\033[Kepoch 1/3 ["), std::string::npos) << live.output;
+  EXPECT_EQ(live.output.find("[rank 0] epoch 1/3"), std::string::npos) << live.output;
+  // Every line of rank 1 (hddp-run's prefix, then the log line's time stamp) starts a
+  // line: after a newline, or after the bar was cleared.
+  size_t rank1 = 0;
+  for (size_t at = live.output.find("[rank 1] [20"); at != std::string::npos;
+       at = live.output.find("[rank 1] [20", at + 1)) {
+    ++rank1;
+    const bool afterNewline = at > 0 && live.output[at - 1] == '\n';
+    const bool afterClear = at >= 4 && live.output.compare(at - 4, 4, "\r\033[K") == 0;
+    EXPECT_TRUE(afterNewline || afterClear)
+        << "at " << at << ": ..." << live.output.substr(at > 60 ? at - 60 : 0, 80);
+  }
+  EXPECT_GT(rank1, 0u) << live.output;
+  const auto piped = hddp::testing::runInTerminal(run + "--no-tty" + trainer);
+  ASSERT_EQ(piped.exitCode, 0) << piped.output;
+  EXPECT_EQ(piped.output.find("\033[K"), std::string::npos) << piped.output;
+  EXPECT_NE(piped.output.find("[rank 0] epoch 1/3 step"), std::string::npos) << piped.output;
+  const auto plain = hddp::testing::runCommand(run + trainer);
+  ASSERT_EQ(plain.exitCode, 0) << plain.output;
+  EXPECT_EQ(plain.output.find("\033[K"), std::string::npos) << plain.output;
+}

@@ -2,15 +2,19 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <pty.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/ioctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -190,6 +194,41 @@ CommandResult runCommand(const std::string& command) {
     output += buf.data();
   }
   const int status = pipe ? pclose(pipe) : -1;
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output, seconds};
+}
+
+CommandResult runInTerminal(const std::string& command) {
+  const auto start = std::chrono::steady_clock::now();
+  winsize ws{};
+  ws.ws_row = 40;
+  ws.ws_col = 100;
+  int master = -1;
+  const pid_t pid = forkpty(&master, nullptr, nullptr, &ws);
+  if (pid < 0) {
+    return {-1, std::string("forkpty failed: ") + std::strerror(errno), 0.0};
+  }
+  if (pid == 0) {
+    const std::string line = "export HDDP_DEVICE=cpu; " + command;
+    execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  std::string output;
+  std::array<char, 4096> buf{};
+  for (;;) {
+    const ssize_t n = read(master, buf.data(), buf.size());
+    if (n > 0) {
+      output.append(buf.data(), static_cast<size_t>(n));
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else {
+      break;  // EIO: the command and everything it started closed the terminal
+    }
+  }
+  close(master);
+  int status = 0;
+  waitpid(pid, &status, 0);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output, seconds};

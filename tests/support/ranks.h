@@ -53,6 +53,11 @@ struct CommandResult {
 /// hddp-run --devices sets HDDP_DEVICE itself.
 CommandResult runCommand(const std::string& command);
 
+/// runCommand with the command's stdin, stdout and stderr on a pseudo-terminal (as
+/// when a user runs it in a terminal), 100 columns wide; the output as the terminal
+/// received it (the terminal turns "\n" into "\r\n").
+CommandResult runInTerminal(const std::string& command);
+
 /// A fresh temporary directory (removed by the OS's tmp cleaning; tests keep it small).
 std::string makeTempDir();
 

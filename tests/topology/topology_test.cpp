@@ -207,4 +207,27 @@ TEST(HddpProbe, JsonReportsDevicesAndAnEmulatedSplit) {
   EXPECT_TRUE(listed);
 }
 
+// The memory cap column follows the Trainer's rule: an emulated device of 500 MiB on
+// which a step takes 100 MiB + 12 MiB per sample holds floor((450 - 100) / 12) = 29
+// samples with 10% kept free, 33 with none; the split keeps to it.
+TEST(HddpProbe, TheMemoryCapFollowsTheTrainersRule) {
+  for (const auto& [headroom, cap] :
+       std::vector<std::pair<std::string, int64_t>>{{"", 29}, {" --memory-headroom 0", 33}}) {
+    const auto r = hddp::testing::runCommand(
+        "HDDP_EMULATE_MEMORY=1:100+12/500 " + hddp::testing::toolsDir() +
+        "/../hddp-probe/hddp-probe --json --no-bandwidth --cpu-ranks 2 --global-batch 96" +
+        headroom + " 2>/dev/null");
+    ASSERT_EQ(r.exitCode, 0) << r.output;
+    if (torch::cuda::is_available()) {
+      GTEST_SKIP() << "the probe plans for the CUDA devices here, not for CPU ranks";
+    }
+    const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+    const auto& ranks = j["plan"]["ranks"];
+    ASSERT_EQ(ranks.size(), 2u);
+    EXPECT_TRUE(ranks[0]["memory_cap"].is_null()) << ranks;
+    EXPECT_EQ(ranks[1]["memory_cap"], cap) << ranks;
+    EXPECT_LE(ranks[1]["local_batch"].get<int64_t>(), cap) << ranks;
+  }
+}
+
 }  // namespace

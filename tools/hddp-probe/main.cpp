@@ -5,6 +5,7 @@
 // HDDP_EMULATE_SLOWDOWN is applied to it per rank for demos (announced).
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -49,6 +50,15 @@ double calibrate(const c10::Device& device, int64_t batch) {
   return best / static_cast<double>(batch);
 }
 
+// The device's free memory now (its total minus what every process holds on it).
+int64_t freeBytes(const c10::Device& device) {
+  if (!device.is_cuda()) {
+    return 0;
+  }
+  return static_cast<int64_t>(
+      c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(device.index()).first);
+}
+
 std::string gib(int64_t bytes) {
   char b[32];
   std::snprintf(b, sizeof(b), "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
@@ -86,6 +96,8 @@ struct ProbeOptions {
   int64_t globalBatch = 256;
   double sampleBytes = 3 * 32 * 32 * 4;
   double sampleMiB = 0;
+  double fixedMiB = 0;
+  double headroom = 0.10;
   int cpuRanks = 1;
   std::string sysfs = "/sys";
   bool asJson = false;
@@ -111,6 +123,7 @@ json describeDevices(const std::vector<hddp::DeviceInfo>& devices, const ProbeOp
   for (const auto& d : devices) {
     json j = {{"device", d.device.str()}, {"name", d.name}, {"memory_bytes", d.memoryBytes}};
     if (d.device.is_cuda()) {
+      j["free_bytes"] = freeBytes(d.device);
       j["sm_count"] = d.smCount;
       j["compute_capability"] =
           std::to_string(d.computeMajor) + "." + std::to_string(d.computeMinor);
@@ -215,7 +228,15 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
         profile.link = d.link;
         profile.external = d.external;
         if (sampleMiB > 0) {
-          profile.maxSamples = static_cast<int64_t>(0.8 * d.memoryBytes / (sampleMiB * (1 << 20)));
+          // The Trainer's rule for a derived cap (hddp/balance/memory_model.h), from the
+          // memory given per sample and the device's memory free now.
+          hddp::MemoryEstimator::Fit fit;
+          fit.steps = 1;
+          fit.fixedBytes = o.fixedMiB * (1 << 20);
+          fit.perSampleBytes = sampleMiB * (1 << 20);
+          fit.totalBytes = static_cast<double>(d.memoryBytes);
+          fit.otherBytes = dev.is_cuda() ? static_cast<double>(d.memoryBytes - freeBytes(dev)) : 0;
+          profile.maxSamples = hddp::MemoryEstimator::capFor(fit, o.headroom);
         }
       }
     }
@@ -226,6 +247,15 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
     }
     if (emulation.memoryCapSamples > 0) {
       profile.maxSamples = std::min(profile.maxSamples, emulation.memoryCapSamples);
+    }
+    if (emulation.emulatesMemory()) {  // an emulated device's memory, for demos and tests
+      hddp::MemoryEstimator::Fit fit;
+      fit.steps = 1;
+      fit.fixedBytes = emulation.memoryFixedBytes;
+      fit.perSampleBytes = emulation.memoryPerSampleBytes;
+      fit.totalBytes = emulation.memoryTotalBytes;
+      profile.maxSamples =
+          std::min(profile.maxSamples, hddp::MemoryEstimator::capFor(fit, o.headroom));
     }
     const hddp::RankCost c = hddp::costOf(profile);
     costs.push_back(c);
@@ -280,8 +310,8 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
     std::printf("  %-7s %s, %s", d.device.str().c_str(), d.name.c_str(),
                 gib(d.memoryBytes).c_str());
     if (d.device.is_cuda()) {
-      std::printf(", %d SMs, sm_%d%d, %s", d.smCount, d.computeMajor, d.computeMinor,
-                  d.pciBusId.c_str());
+      std::printf(" (%s free), %d SMs, sm_%d%d, %s", gib(freeBytes(d.device)).c_str(), d.smCount,
+                  d.computeMajor, d.computeMinor, d.pciBusId.c_str());
       if (d.link) {
         std::printf(", PCIe Gen%d x%d (max Gen%d x%d, %.1f GB/s)", d.link->currentGen,
                     d.link->currentWidth, d.link->maxGen, d.link->maxWidth, d.link->currentGBps());
@@ -435,7 +465,18 @@ int run(int argc, char** argv) {
   app.add_option("--sample-bytes", o.sampleBytes, "Input bytes per sample moved to the device")
       ->capture_default_str();
   app.add_option("--sample-mib", o.sampleMiB,
-                 "Device memory per sample (MiB) for the memory cap; 0 = no cap");
+                 "Device memory per sample (MiB: activations and workspace) for the memory "
+                 "cap; 0 = no cap")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--fixed-mib", o.fixedMiB,
+                 "Device memory a step holds whatever the batch (MiB: parameters, gradients, "
+                 "optimizer state), for the memory cap")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--memory-headroom", o.headroom,
+                 "Fraction of each device's memory kept free in the memory cap (the Trainer's "
+                 "default)")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
   app.add_option("--param-bytes", o.paramBytes,
                  "Gradient bytes per step (the model's parameters), for the allreduce term")
       ->capture_default_str();

@@ -8,10 +8,12 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -35,9 +37,38 @@ namespace detail {
 /// Written by the signal handlers, read by Group::pump (launcher.cpp owns it).
 extern int gSignalPipe[2];
 
+// hddp-run's terminal when rank 0 draws a live progress bar on it: the bar's line as
+// last drawn (text after the last newline of rank 0's pseudo-terminal). A line of
+// another rank clears the bar, is written, and the bar is drawn again below it.
+struct Terminal {
+  std::string bar;
+
+  void write(int target, const std::string& text) {
+    if (bar.empty() || !isatty(target)) {
+      (void)!::write(target, text.data(), text.size());
+      return;
+    }
+    const std::string out = "\r\033[K" + text + bar;
+    (void)!::write(target, out.data(), out.size());
+  }
+  // Rank 0's raw output: passed through, the open line remembered.
+  void passThrough(int target, const char* data, size_t n) {
+    (void)!::write(target, data, n);
+    const std::string chunk(data, n);
+    const size_t nl = chunk.rfind('\n');
+    bar = nl == std::string::npos ? bar + chunk : chunk.substr(nl + 1);
+    const size_t cr = bar.rfind('\r');
+    if (cr != std::string::npos && cr > 0) {
+      bar.erase(0, cr);  // only the newest redraw matters
+    }
+  }
+};
+
+/// The one terminal state of this process (rank 0's bar, hddp-run's own messages).
+inline Terminal gTerminal;
+
 inline void say(const std::string& text) {
-  std::string line = "hddp-run: " + text + "\n";
-  (void)!write(STDERR_FILENO, line.data(), line.size());
+  gTerminal.write(STDERR_FILENO, "hddp-run: " + text + "\n");
 }
 
 inline int freePort() {
@@ -82,30 +113,79 @@ inline int exitCodeOf(int status) {
   return 1;
 }
 
-// Collects a rank's output and writes it line by line with a prefix.
+// Collects a rank's output and writes it line by line with a prefix; or, for rank 0's
+// pseudo-terminal (`raw`), passes it through as it comes.
 struct Stream {
   int fd = -1;
   int target = STDOUT_FILENO;
   std::string prefix;
   std::string pending;
+  Terminal* terminal = nullptr;  // the shared terminal state (null: plain writes)
+  bool raw = false;
 
   void emit(const char* data, size_t n) {
+    if (raw && terminal) {
+      terminal->passThrough(target, data, n);
+      return;
+    }
     pending.append(data, n);
     size_t start = 0;
     for (size_t nl; (nl = pending.find('\n', start)) != std::string::npos; start = nl + 1) {
-      std::string line = prefix + pending.substr(start, nl - start + 1);
-      (void)!write(target, line.data(), line.size());
+      put(prefix + pending.substr(start, nl - start + 1));
     }
     pending.erase(0, start);
   }
   void flush() {
+    if (raw && terminal) {
+      if (!terminal->bar.empty()) {
+        (void)!::write(target, "\n", 1);  // end the bar's line
+        terminal->bar.clear();
+      }
+      return;
+    }
     if (!pending.empty()) {
-      std::string line = prefix + pending + "\n";
-      (void)!write(target, line.data(), line.size());
+      put(prefix + pending + "\n");
       pending.clear();
     }
   }
+  void put(const std::string& line) {
+    if (terminal) {
+      terminal->write(target, line);
+    } else {
+      (void)!::write(target, line.data(), line.size());
+    }
+  }
 };
+
+// A pseudo-terminal for rank 0's stderr (so that its live progress bar shows under
+// hddp-run): the master for hddp-run, the slave for the rank, output not post-processed
+// (no \n -> \r\n) and the size of hddp-run's own terminal. Returns false when none can
+// be made (the rank then gets a pipe).
+inline bool openPseudoTerminal(int& master, int& slave) {
+  master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+  if (master < 0 || grantpt(master) != 0 || unlockpt(master) != 0) {
+    if (master >= 0) {
+      close(master);
+    }
+    return false;
+  }
+  char name[128];
+  if (ptsname_r(master, name, sizeof(name)) != 0 ||
+      (slave = open(name, O_RDWR | O_NOCTTY | O_CLOEXEC)) < 0) {
+    close(master);
+    return false;
+  }
+  termios t{};
+  if (tcgetattr(slave, &t) == 0) {
+    t.c_oflag &= ~static_cast<tcflag_t>(OPOST);
+    tcsetattr(slave, TCSANOW, &t);
+  }
+  winsize ws{};
+  if (ioctl(STDERR_FILENO, TIOCGWINSZ, &ws) == 0) {
+    ioctl(master, TIOCSWINSZ, &ws);
+  }
+  return true;
+}
 
 struct Rank {
   int globalRank = 0;
@@ -149,6 +229,15 @@ class Group {
       if (pipe2(outPipe, O_CLOEXEC) != 0 || pipe2(errPipe, O_CLOEXEC) != 0) {
         say(std::string("cannot create pipes: ") + std::strerror(errno));
         return false;
+      }
+      // Rank 0 on a terminal: its stderr is a pseudo-terminal, so its live bar shows.
+      const bool tty = rank.globalRank == 0 && config_.tty && isatty(STDERR_FILENO) &&
+                       openPseudoTerminal(ptyMaster_, ptySlave_);
+      if (tty) {
+        close(errPipe[0]);
+        close(errPipe[1]);
+        errPipe[0] = ptyMaster_;
+        errPipe[1] = ptySlave_;
       }
       // Elastic: the ranks are numbered afresh each generation; HDDP_SLOT keeps each one
       // on its slot's device (cuda:<slot>, or the slot's entry of --devices).
@@ -213,7 +302,7 @@ class Group {
         _exit(127);
       }
       close(outPipe[1]);
-      close(errPipe[1]);
+      close(errPipe[1]);  // a pseudo-terminal's slave too: rank 0 holds it now
       rank.pid = pid;
       rank.running = true;
       std::string prefix = "[rank " + std::to_string(rank.globalRank) +
@@ -221,8 +310,9 @@ class Group {
       if (config_.noPrefix) {
         prefix.clear();
       }
-      rank.out = Stream{outPipe[0], STDOUT_FILENO, prefix, {}};
-      rank.err = Stream{errPipe[0], STDERR_FILENO, prefix, {}};
+      Terminal* terminal = isatty(STDERR_FILENO) ? &gTerminal : nullptr;
+      rank.out = Stream{outPipe[0], STDOUT_FILENO, prefix, {}, terminal, false};
+      rank.err = Stream{errPipe[0], STDERR_FILENO, tty ? std::string() : prefix, {}, terminal, tty};
       ranks_.push_back(std::move(rank));
     }
     return true;
@@ -468,7 +558,7 @@ class Group {
         const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
         if (n > 0) {
           streams[i]->emit(buf, static_cast<size_t>(n));
-        } else if (n == 0) {
+        } else if (n == 0 || errno == EIO) {  // EIO: a pseudo-terminal whose rank ended
           streams[i]->flush();
           close(streams[i]->fd);
           streams[i]->fd = -1;
@@ -483,6 +573,8 @@ class Group {
   std::vector<int> slots_;
   std::string elasticDir_;
   std::vector<Rank> ranks_;
+  int ptyMaster_ = -1;  // rank 0's pseudo-terminal (read as its stderr), -1: none
+  int ptySlave_ = -1;   // closed once rank 0 has it
   int64_t sweep_ = 0;
   bool reformRequested_ = false;
 };

@@ -16,6 +16,9 @@ struct LaunchConfig {
   int maxRestarts = 0;
   double graceSeconds = 5.0;
   bool noPrefix = false;
+  /// When hddp-run's stderr is a terminal, rank 0's stderr is a pseudo-terminal (its
+  /// live progress bar shows, unprefixed); --no-tty gives it a pipe like the others.
+  bool tty = true;
   /// One device per local rank (--devices), passed to every rank as HDDP_DEVICE; empty:
   /// the ranks choose (cuda:<local rank> with CUDA, else cpu).
   std::vector<std::string> devices;

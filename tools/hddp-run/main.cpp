@@ -73,6 +73,9 @@ int main(int argc, char** argv) {
   app.add_flag("--share-devices", config.shareDevices,
                "Let local ranks share a GPU in --devices (Gloo through host memory; testing)");
   app.add_flag("--no-prefix", config.noPrefix, "Do not prefix output lines with [rank N]");
+  app.add_flag("!--no-tty", config.tty,
+               "Give rank 0 a pipe for its stderr even when hddp-run's is a terminal (by "
+               "default it gets a pseudo-terminal, so that its live progress bar shows)");
   app.add_option("--rejoin-check", config.rejoinCheck,
                  "Elastic: shell command that says (exit 0) whether a slot that left may come "
                  "back; it sees HDDP_SLOT and HDDP_SLOT_DEVICE. Default: a CPU slot may, a CUDA "

@@ -65,3 +65,7 @@ void writeNoThrow(const char* layer, Level lvl, MakeMessage&& make) noexcept {
 #define HDDP_LOG_INFO(layer, ...) HDDP_LOG(layer, ::hddp::log::Level::Info, __VA_ARGS__)
 #define HDDP_LOG_WARN(layer, ...) HDDP_LOG(layer, ::hddp::log::Level::Warn, __VA_ARGS__)
 #define HDDP_LOG_ERROR(layer, ...) HDDP_LOG(layer, ::hddp::log::Level::Error, __VA_ARGS__)
+/// A message every rank computes identically (a new plan, the run's configuration):
+/// rank 0 logs it at info, the other ranks only at debug, so a job's log says it once.
+#define HDDP_LOG_SHARED(layer, rank, ...) \
+  HDDP_LOG(layer, (rank) == 0 ? ::hddp::log::Level::Info : ::hddp::log::Level::Debug, __VA_ARGS__)

@@ -1,0 +1,67 @@
+// hddp-run's terminal (tools/hddp-run/group.h): rank 0's live bar passes through, and a
+// line of another rank (or of hddp-run) clears the bar, is written whole, and the bar
+// is drawn again below it.
+#include <gtest/gtest.h>
+#include <pty.h>
+#include <termios.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "group.h"
+
+namespace {
+
+std::string readAll(int fd) {
+  std::string out;
+  char buf[4096];
+  for (;;) {
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) {
+      break;
+    }
+    out.append(buf, static_cast<size_t>(n));
+    if (static_cast<size_t>(n) < sizeof(buf)) {
+      break;
+    }
+  }
+  return out;
+}
+
+TEST(HddpRunTerminal, AnotherRanksLineClearsTheBarAndTheBarComesBack) {
+  int master = -1;
+  int slave = -1;
+  ASSERT_EQ(openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
+  termios t{};
+  ASSERT_EQ(tcgetattr(slave, &t), 0);
+  cfmakeraw(&t);
+  ASSERT_EQ(tcsetattr(slave, TCSANOW, &t), 0);
+  hddp::run::detail::Terminal terminal;
+  const std::string first = "\r\033[Kepoch 1/3 [##....] 2/6";
+  const std::string second = "\r\033[Kepoch 1/3 [####..] 4/6";
+  terminal.passThrough(slave, first.data(), first.size());
+  terminal.passThrough(slave, second.data(), second.size());
+  EXPECT_EQ(readAll(master), first + second);
+  EXPECT_EQ(terminal.bar, second) << "only the newest redraw is kept";
+  terminal.write(slave, "[rank 1] a message\n");
+  EXPECT_EQ(readAll(master), "\r\033[K[rank 1] a message\n" + second);
+  const std::string end = "\nepoch 1/3: train loss 1.2\n";
+  terminal.passThrough(slave, end.data(), end.size());
+  EXPECT_TRUE(terminal.bar.empty());
+  readAll(master);
+  terminal.write(slave, "[rank 1] no bar now\n");
+  EXPECT_EQ(readAll(master), "[rank 1] no bar now\n");
+  // Not a terminal (a file, a pipe): lines are written as they are.
+  int fds[2];
+  ASSERT_EQ(pipe(fds), 0);
+  terminal.passThrough(slave, second.data(), second.size());
+  readAll(master);
+  terminal.write(fds[1], "[rank 1] to a pipe\n");
+  close(fds[1]);
+  EXPECT_EQ(readAll(fds[0]), "[rank 1] to a pipe\n");
+  close(fds[0]);
+  close(master);
+  close(slave);
+}
+
+}  // namespace

@@ -17,7 +17,6 @@
 #include "hddp/core/logging.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
-#include "hddp/version.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
@@ -461,80 +460,6 @@ TrainSummary Trainer::Impl::fit() {
   }
   reporter_.summary(summary, lastEvaluation_);
   return summary;
-}
-
-// The configuration a metrics file starts with (hddp-plot's title).
-nlohmann::json Trainer::Impl::runConfig() const {
-  const EmulationOptions& e = emulator_->options();
-  nlohmann::json c{{"world_size", comm_.size()},
-                   {"device", device_.str()},
-                   {"backend", backendName(comm_.backend())},
-                   {"global_batch", options_.globalBatch},
-                   {"epochs", options_.epochs},
-                   {"amp", ampModeName(options_.amp)},
-                   {"balance", planner_ != nullptr},
-                   {"hddp", version()}};
-  if (e.active()) {
-    c["emulation"] = {{"slowdown", e.slowdown},
-                      {"link_GBps", e.linkBytesPerSecond / 1e9},
-                      {"memory_cap_samples", e.memoryCapSamples},
-                      {"memory_total_bytes", e.memoryTotalBytes}};
-  }
-  return c;
-}
-
-int64_t Trainer::Impl::plannedSteps() const {
-  const int64_t n = loader_->dataset().size();
-  const int64_t g = options_.globalBatch;
-  const int64_t perEpoch = options_.loader.sampler.dropLast ? n / g : (n + g - 1) / g;
-  int64_t total = perEpoch * options_.epochs;
-  if (options_.maxSteps > 0) {
-    total = std::min(total, options_.maxSteps);
-  }
-  if (budgetSteps_ > 0) {
-    total = std::min(total, budgetSteps_);
-  }
-  return total;
-}
-
-std::map<std::string, double> Trainer::Impl::evaluate() {
-  if (!evaluation_) {
-    return {};
-  }
-  const auto e0 = Clock::now();
-  auto evaluation = evaluation_(epoch_);
-  evaluationSeconds_ += seconds(e0, Clock::now());
-  timeline_.add("evaluation", e0, Clock::now(), step_);
-  model_->train();
-  if (!evaluation.empty()) {
-    lastEvaluation_ = evaluation;
-  }
-  return evaluation;
-}
-
-void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
-                             TrainSummary& summary) {
-  // The epoch's mean training loss over every rank's samples.
-  at::Tensor sums =
-      at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble).to(device_);
-  comm_.allreduce(sums).wait();
-  sums = sums.cpu();
-  train::EpochReport r;
-  r.samples = sums[1].item<double>();
-  lastEpochLoss_ = r.samples > 0 ? sums[0].item<double>() / r.samples : 0.0;
-  r.seconds = seconds(epochStart, Clock::now());
-  r.evaluation = evaluate();
-  ++summary.epochsCompleted;
-  r.epoch = epoch_;
-  r.epochs = options_.epochs;
-  r.steps = epochSteps;
-  r.trainLoss = lastEpochLoss_;
-  const BatchPlan plan = currentPlan();
-  r.plan = plan.local;
-  r.planText = plan.describe();
-  r.peakMemoryBytes = epochPeakMemory_;
-  epochPeakMemory_ = 0;
-  reporter_.epoch(r);
 }
 
 void Trainer::Impl::barrier() {

@@ -360,7 +360,8 @@ def summary_panel(ax, run):
             lines.append(f"rank {r} peak memory: {peak / MIB:.1f} MiB")
     steps = run.steps()
     changes = sum(1 for x in steps if "new_plan" in x)
-    lines.append(f"plan changes: {changes}; final split {steps[-1]['plan']}")
+    lines.append(f"plan changes: {changes}")
+    lines.append(f"split at the last step: {steps[-1]['plan']} of {steps[-1]['global_batch']}")
     ooms = len(run.ranks[0]["out_of_memory"])
     if ooms:
         lines.append(f"out-of-memory steps: {ooms}")

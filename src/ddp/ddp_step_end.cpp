@@ -1,0 +1,200 @@
+// DistributedDataParallel::Impl (ddp/ddp_impl.h): the end of a synchronized backward,
+// and the buckets: their layout and its rebuild from the order gradients were ready in.
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+
+#include "ddp/ddp_impl.h"
+
+namespace hddp {
+
+using ddp::Clock;
+using ddp::secondsBetween;
+
+void DistributedDataParallel::Impl::finalize() {
+  HDDP_CHECK(!noSync_,
+             "finalize() inside noSync(): gradients are only synchronized "
+             "outside the noSync scope");
+  if (!stepActive_ && stepDone_) {
+    // This step's gradients are already summed (backward ended it): sending them
+    // again would multiply them by the world size. The next step starts at
+    // setBatch() or at its first gradient.
+    HDDP_LOG_DEBUG("ddp", "finalize(): the step is already synchronized, nothing to do");
+    return;
+  }
+  const bool ranBackward = stepActive_;
+  if (!ranBackward) {
+    beginStep();  // a rank without samples this step: everything contributes zeros
+  }
+  std::vector<std::string> unused;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].ready) {
+      if (ranBackward && !abandoning_) {
+        unused.push_back(params_[i].name);
+      }
+      markReady(static_cast<int>(i), /*duringBackward=*/false);
+    }
+  }
+  stats_.unusedParameters = static_cast<int>(unused.size());
+  const auto waitStart = Clock::now();
+  if (timer_) {
+    timer_->beginWait();
+  }
+  std::exception_ptr failure;
+  for (auto& b : buckets_) {
+    try {
+      b.work.wait();
+    } catch (...) {
+      if (!failure) {
+        failure = std::current_exception();
+      }
+    }
+  }
+  if (timer_) {
+    timer_->endWait();
+  }
+  const auto waitEnd = Clock::now();
+  stepActive_ = false;
+  stepDone_ = true;
+  for (auto& p : params_) {
+    p.holdsReduced = true;
+  }
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+  stats_.waitSeconds = ranBackward ? secondsBetween(waitStart, waitEnd) : 0.0;
+  int64_t lastDone = 0;
+  for (auto& b : buckets_) {
+    lastDone = std::max(lastDone, b.completedAtNs->load());
+  }
+  stats_.bucketTimes.clear();
+  for (auto& b : buckets_) {
+    const int64_t done = b.completedAtNs->load();
+    stats_.bucketTimes.push_back(
+        BucketTiming{b.launchedAt, done > 0 ? Clock::time_point(Clock::duration(done)) : waitEnd,
+                     static_cast<int64_t>(b.flat.nbytes())});
+  }
+  if (!buckets_.empty()) {
+    const auto last = Clock::time_point(Clock::duration(lastDone));
+    stats_.communicationSeconds =
+        secondsBetween(buckets_.front().launchedAt, std::max(last, waitStart));
+  }
+  for (auto& b : buckets_) {
+    if (b.finish) {
+      b.finish();
+      b.finish = nullptr;
+    }
+  }
+  if (!options_.gradientAsBucketView) {
+    for (auto& p : params_) {
+      at::Tensor& grad = p.tensor.mutable_grad();
+      if (grad.defined()) {
+        grad.copy_(sliceOf(p));
+      } else {
+        grad = sliceOf(p).clone();
+      }
+    }
+  }
+  ++step_;
+  if (options_.bufferSync == BufferSync::WithGradients && !buffers_.empty() &&
+      step_ % options_.bufferSyncInterval == 0) {
+    syncBuffers();
+  }
+  if (recordOrder_) {
+    // Every rank takes this branch after its first synchronized step (whether or not
+    // it had samples), so the broadcast of rank 0's order is matched everywhere.
+    recordOrder_ = false;
+    if (options_.rebuildBuckets && comm_.size() > 1) {
+      rebuildFromObservedOrder();
+    }
+  }
+  if (!unused.empty() && !options_.findUnusedParameters) {
+    std::ostringstream names;
+    for (size_t i = 0; i < unused.size() && i < 8; ++i) {
+      names << (i ? ", " : "") << "'" << unused[i] << "'";
+    }
+    if (unused.size() > 8) {
+      names << ", ... (" << unused.size() << " in all)";
+    }
+    HDDP_THROW(Error, "parameter(s) ", names.str(), " received no gradient in this backward ",
+               "(rank ", comm_.rank(),
+               "). Zeros were sent for them so no rank hangs. If your "
+               "model skips these parameters on purpose, set DdpOptions::findUnusedParameters "
+               "= true; otherwise make sure the loss depends on them.");
+  }
+}
+
+void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) {
+  std::vector<at::Tensor> tensors;
+  for (const auto& p : params_) {
+    tensors.push_back(p.tensor);
+  }
+  const auto assignment =
+      ddp::assignBuckets(tensors, order, options_.firstBucketBytes, options_.bucketCapBytes);
+  std::vector<Bucket> buckets(assignment.size());
+  for (size_t bi = 0; bi < assignment.size(); ++bi) {
+    Bucket& b = buckets[bi];
+    b.params = assignment[bi];
+    int64_t total = 0;
+    for (int index : b.params) {
+      total += params_[index].tensor.numel();
+    }
+    const at::Tensor& first = params_[b.params.front()].tensor;
+    // The last bucket carries one more element: the step's status (abandonStep).
+    const int64_t status = bi + 1 == assignment.size() ? 1 : 0;
+    b.flat = at::zeros({total + status}, first.options().requires_grad(false));
+  }
+  // Move current gradients into the new buffers.
+  std::vector<at::Tensor> oldGrads;
+  for (auto& p : params_) {
+    oldGrads.push_back(p.tensor.grad().defined() ? p.tensor.grad().detach().clone() : at::Tensor());
+  }
+  at::Tensor status = buckets_.empty() ? at::Tensor() : statusSlot().clone();
+  buckets_ = std::move(buckets);
+  if (status.defined() && !buckets_.empty()) {
+    statusSlot().copy_(status);  // a rebuild after an abandoned step keeps its status
+  }
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    int64_t offset = 0;
+    for (int index : buckets_[bi].params) {
+      params_[index].bucket = static_cast<int>(bi);
+      params_[index].offset = offset;
+      offset += params_[index].tensor.numel();
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (oldGrads[i].defined()) {
+      at::Tensor view = sliceOf(params_[i]);
+      view.copy_(oldGrads[i]);
+      if (options_.gradientAsBucketView) {
+        params_[i].tensor.mutable_grad() = view;
+      }
+    }
+  }
+}
+
+void DistributedDataParallel::Impl::rebuildFromObservedOrder() {
+  // Rank 0's order is the one everybody uses: ranks may observe different orders.
+  at::Tensor order = at::empty({static_cast<int64_t>(params_.size())}, at::kLong);
+  for (size_t i = 0; i < readyOrder_.size() && i < params_.size(); ++i) {
+    order[i] = readyOrder_[i];
+  }
+  if (comm_.device().is_cuda()) {
+    at::Tensor onDevice = order.to(comm_.device());
+    comm_.broadcast(onDevice, 0).wait();
+    order = onDevice.cpu();
+  } else {
+    comm_.broadcast(order, 0).wait();
+  }
+  std::vector<int> rebuilt(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel());
+  std::vector<int> sorted = rebuilt;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    HDDP_INTERNAL_ASSERT(sorted[i] == static_cast<int>(i),
+                         "observed gradient order is not a permutation");
+  }
+  buildBuckets(rebuilt);
+  HDDP_LOG_DEBUG("ddp", "rebuilt ", buckets_.size(), " bucket(s) from the observed gradient order");
+}
+
+}  // namespace hddp

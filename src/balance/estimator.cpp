@@ -6,20 +6,14 @@
 #include <limits>
 #include <vector>
 
+#include "balance/statistics.h"
 #include "hddp/balance/planner.h"
 #include "hddp/core/error.h"
 
 namespace hddp {
 namespace {
 
-double median(std::vector<double> v) {
-  if (v.empty()) {
-    return 0.0;
-  }
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using balance::median;
 
 // Median and the standard error of the median (normal errors: 1.2533 sigma / sqrt(n),
 // sigma from the median absolute deviation, 1.4826 MAD), in absolute units.

@@ -8,19 +8,13 @@
 #include <limits>
 #include <vector>
 
+#include "balance/statistics.h"
 #include "hddp/core/error.h"
 
 namespace hddp {
 namespace {
 
-double median(std::vector<double> v) {
-  if (v.empty()) {
-    return 0.0;
-  }
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using balance::median;
 
 }  // namespace
 

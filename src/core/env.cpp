@@ -55,6 +55,12 @@ std::vector<Variable> makeRegistry() {
        "",
        "Emulation (tests/demos): out of memory above this many samples per step, e.g. 1:40.",
        {}},
+      {"HDDP_DEVICE_TABLE",
+       Type::String,
+       "",
+       "What-if planning: the device table to use instead of hddp's (data/devices.json, "
+       "installed as share/hddp/devices.json).",
+       {}},
       {"HDDP_EMULATE_MEMORY",
        Type::String,
        "",

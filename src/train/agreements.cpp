@@ -50,8 +50,7 @@ void Trainer::Impl::commit(TrainSummary& summary) {
   if (!elastic_.enabled) {
     return;
   }
-  jobRecord_.add("commit", "\"step\":" + std::to_string(step_) +
-                               ",\"file\":" + train::jsonQuote(summary.lastStateFile));
+  jobRecord_.add("commit", {{"step", step_}, {"file", summary.lastStateFile}});
   // Agree on a re-form request (the launcher signals the ranks one by one) and on the
   // next commit: the slowest commit against the slowest rank's wall time per step.
   const double commitSeconds = seconds(t0, Clock::now());

@@ -153,34 +153,17 @@ void JobRecord::open(const std::string& dir, int generation) {
   generation_ = generation;
 }
 
-void JobRecord::add(const std::string& event, const std::string& fields) {
+void JobRecord::add(const std::string& event, const nlohmann::json& fields) {
   if (fd_ < 0) {
     return;
   }
   const double now =
       std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  char head[96];
-  std::snprintf(head, sizeof(head), "{\"t\":%.3f,\"event\":", now);
-  std::string line = head + jsonQuote(event) + ",\"generation\":" + std::to_string(generation_) +
-                     (fields.empty() ? "" : "," + fields) + "}\n";
-  (void)!::write(fd_, line.data(), line.size());  // a record for people, not a commit
-}
-
-std::string jsonQuote(const std::string& text) {
-  std::string out = "\"";
-  for (const char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char esc[8];
-      std::snprintf(esc, sizeof(esc), "\\u%04x", c);
-      out += esc;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
+  nlohmann::json line{
+      {"t", std::round(now * 1000) / 1000}, {"event", event}, {"generation", generation_}};
+  line.update(fields);
+  const std::string text = line.dump() + "\n";
+  (void)!::write(fd_, text.data(), text.size());  // a record for people, not a commit
 }
 
 }  // namespace train

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -93,17 +94,13 @@ class JobRecord {
   /// Opens `dir`/job.jsonl for appending; no-op when `dir` is empty.
   void open(const std::string& dir, int generation);
   bool enabled() const { return fd_ >= 0; }
-  /// Appends {"t": <unix seconds>, "event": <event>, "generation": g, <fields>};
-  /// `fields` is a JSON object body without braces ("\"step\":12"), or empty.
-  void add(const std::string& event, const std::string& fields);
+  /// Appends {"t": <unix seconds>, "event": <event>, "generation": g, ...fields}.
+  void add(const std::string& event, const nlohmann::json& fields = nlohmann::json::object());
 
  private:
   int fd_ = -1;
   int generation_ = 0;
 };
-
-/// `text` as a JSON string literal, quoted and escaped.
-std::string jsonQuote(const std::string& text);
 
 }  // namespace train
 }  // namespace hddp

@@ -342,10 +342,10 @@ TrainSummary Trainer::Impl::fit() {
     if (comm_.rank() == 0) {
       jobRecord_.open(elastic_.dir, restarts);
       const int64_t repeated = restarts > 0 ? std::max<int64_t>(0, reached - step_) : 0;
-      jobRecord_.add(restarts > 0 ? "resumed" : "started",
-                     "\"step\":" + std::to_string(step_) + ",\"repeated\":" +
-                         std::to_string(repeated) + ",\"ranks\":" + std::to_string(comm_.size()) +
-                         ",\"commits\":" + train::jsonQuote(options_.saveDir));
+      jobRecord_.add(restarts > 0 ? "resumed" : "started", {{"step", step_},
+                                                            {"repeated", repeated},
+                                                            {"ranks", comm_.size()},
+                                                            {"commits", options_.saveDir}});
     }
     if (restarts > 0 && reached > step_) {
       HDDP_LOG_SHARED("train", comm_.rank(), "elastic: steps ", step_ + 1, "..", reached,
@@ -411,7 +411,7 @@ TrainSummary Trainer::Impl::fit() {
       sampleLog_.write(step_, comm_.rank(), batch->share.indices);
       progressMark_.write(step_);
       if (step_ == startStep + 1) {
-        jobRecord_.add("first_step", "\"step\":" + std::to_string(step_));
+        jobRecord_.add("first_step", {{"step", step_}});
       }
       if (options_.timeBudgetSeconds > 0) {
         updateTimeBudget();

@@ -101,6 +101,18 @@ void onlyFields(const json& entry, const std::string& where, const std::set<std:
   }
 }
 
+// A section of the table: an object of entries by key.
+void checkSection(const json& root, const char* name, const std::string& origin) {
+  HDDP_CHECK_AS(ConfigError, root[name].is_object(), origin, ": \"", name,
+                "\" must be an object of entries by key");
+}
+
+void checkKey(const std::string& key, const std::string& where) {
+  HDDP_CHECK_AS(ConfigError,
+                key == lower(key) && !key.empty() && key.find_first_of("@, ") == std::string::npos,
+                where, ": a key is lower case without '@', ',' or spaces");
+}
+
 }  // namespace
 
 DeviceTable DeviceTable::parse(const std::string& textIn, const std::string& origin) {
@@ -115,14 +127,10 @@ DeviceTable DeviceTable::parse(const std::string& textIn, const std::string& ori
   onlyFields(root, origin, {"devices", "links", "comment"});
   DeviceTable table;
   if (root.contains("devices")) {
-    HDDP_CHECK_AS(ConfigError, root["devices"].is_object(), origin,
-                  ": \"devices\" must be an object of entries by key");
+    checkSection(root, "devices", origin);
     for (auto it = root["devices"].begin(); it != root["devices"].end(); ++it) {
       const std::string where = origin + ": device '" + it.key() + "'";
-      HDDP_CHECK_AS(ConfigError,
-                    it.key() == lower(it.key()) && !it.key().empty() &&
-                        it.key().find_first_of("@, ") == std::string::npos,
-                    where, ": a key is lower case without '@', ',' or spaces");
+      checkKey(it.key(), where);
       onlyFields(it.value(), where,
                  {"name", "fp32_tflops", "fp16_tflops", "bf16_tflops", "memory_gib", "memory_GBps",
                   "source", "comment"});
@@ -139,14 +147,10 @@ DeviceTable DeviceTable::parse(const std::string& textIn, const std::string& ori
     }
   }
   if (root.contains("links")) {
-    HDDP_CHECK_AS(ConfigError, root["links"].is_object(), origin,
-                  ": \"links\" must be an object of entries by key");
+    checkSection(root, "links", origin);
     for (auto it = root["links"].begin(); it != root["links"].end(); ++it) {
       const std::string where = origin + ": link '" + it.key() + "'";
-      HDDP_CHECK_AS(ConfigError,
-                    it.key() == lower(it.key()) && !it.key().empty() &&
-                        it.key().find_first_of("@, ") == std::string::npos,
-                    where, ": a key is lower case without '@', ',' or spaces");
+      checkKey(it.key(), where);
       onlyFields(it.value(), where, {"name", "GBps", "source", "comment"});
       LinkSpec l;
       l.key = it.key();

@@ -1,0 +1,132 @@
+// What-if planning: predict how a mix of cards and links would train a model before the
+// hardware is there (docs/egpu.md, "Choosing an enclosure"; hddp-probe --what-if).
+//
+// For each device of the mix (hddp/balance/device_table.h) the model's profile turns
+// into the planner's cost (hddp/balance/batch_plan.h):
+//
+//   compute / sample   with a calibration on table device K:  measured x peak(K) / peak(D)
+//                      without:  training FLOPs / (peak(D) x efficiency)
+//                      peak = the table's rate for the precision (fp32, or the fp16 / bf16
+//                      tensor rate under AMP; a card without that path runs at its fp32 rate)
+//   fixed / step       with a calibration: measured x memory bandwidth(K) / bandwidth(D)
+//                      without: the optimizer's update traffic / memory bandwidth(D),
+//                      (3 + 2 x state copies) x parameter bytes
+//   transfer / sample  input bytes / the link's usable bandwidth; with prefetch the step
+//                      pays max(compute, transfer) per sample, else the sum
+//   memory             fixed = parameter bytes x (2 + state copies) (weights, gradients,
+//                      optimizer state); per sample = the profile's measured activation
+//                      bytes; the cap is the Trainer's rule (MemoryEstimator::capFor) with
+//                      the CUDA context counted as others' memory
+//
+// The split is solveSplit()'s on those costs. The gradient allreduce is a ring over the
+// slowest link (ringAllreduceSeconds, the gradients being the fp32 parameters; or at
+// WhatIfSettings::allreduceGBps when the ring has its own path); DDP runs
+// its buckets during backward (2/3 of the compute), so the exposed part is
+//   max(allreduce - backward, allreduce x min(1, bucket / parameter bytes))
+// (the last bucket cannot hide). Step = slowest rank + exposed allreduce. Peers: PyTorch
+// DDP's equal split on the same mix, and the fastest card alone (gradient accumulation
+// when its memory cannot hold the global batch).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "hddp/amp/amp_mode.h"
+#include "hddp/balance/batch_plan.h"
+#include "hddp/balance/device_table.h"
+
+namespace hddp {
+
+/// What a model costs per sample, counted and measured from the model itself
+/// (hddp/train/model_profile.h), or read back from a file.
+struct ModelProfile {
+  std::string model;  // "resnet50 3x224x224"
+  /// Multiply-adds x 2 of convolutions and matrix products, per sample.
+  double forwardFlopsPerSample = 0.0;
+  /// Forward and backward (the backward's own products counted, not a rule of thumb).
+  double trainFlopsPerSample = 0.0;
+  /// Device memory a training step's peak grows by per sample (activations saved for
+  /// backward, under the profile's precision), measured at two batch sizes.
+  double activationBytesPerSample = 0.0;
+  /// fp32 parameters: the weights' bytes, and the gradient bytes each step allreduces.
+  double parameterBytes = 0.0;
+  /// What the loader moves to the device per sample.
+  double inputBytesPerSample = 0.0;
+  AmpMode amp = AmpMode::Off;
+  /// A calibration: the table key of the device it ran on ("" = none), and the training
+  /// step it measured there as fixed + perSample x b.
+  std::string calibratedOn;
+  double calibratedSecondsPerSample = 0.0;
+  double calibratedFixedSeconds = 0.0;
+
+  /// JSON text (the file hddp-probe --save-profile writes).
+  std::string toJson() const;
+  /// Parses toJson()'s text; hddp::ConfigError naming `origin` and the field for a
+  /// missing or bad field.
+  static ModelProfile fromJson(const std::string& text, const std::string& origin);
+};
+
+struct WhatIfSettings {
+  int64_t globalBatch = 256;
+  /// Without a calibration: the share of the table's peak a training step reaches.
+  double efficiency = 0.4;
+  /// Optimizer state per parameter, in copies of the weights (momentum SGD 1, Adam 2).
+  double optimizerStateCopies = 1.0;
+  /// Each device's memory kept free (the Trainer's PlannerSettings::memoryHeadroom).
+  double memoryHeadroom = 0.10;
+  /// Device memory the CUDA context and library workspaces hold outside the allocator.
+  double contextBytes = 512.0 * (1 << 20);
+  /// The loader copies the next batch on a side stream while the device computes.
+  bool prefetch = true;
+  /// DDP's gradient bucket (25 MiB, PyTorch's default).
+  double bucketBytes = 25.0 * (1 << 20);
+  /// The bandwidth the gradient ring runs at when it is not the slowest device link
+  /// (GB/s; cards joined by NVLink, ranks of one host over loopback); 0 = that link.
+  double allreduceGBps = 0.0;
+};
+
+/// One device of a predicted mix.
+struct WhatIfDevice {
+  MixEntry entry;
+  RankCost cost;
+  int64_t local = 0;
+  int64_t memoryCap = 0;         // the largest share its memory holds
+  double peakTflops = 0.0;       // the rate used (after the precision fallback)
+  double computeSeconds = 0.0;   // local x compute per sample
+  double transferSeconds = 0.0;  // local x input transfer per sample (hidden or not)
+  double stepSeconds = 0.0;      // its predicted time for the step, allreduce apart
+  double memoryBytes = 0.0;      // predicted peak at `local`
+};
+
+struct WhatIfResult {
+  std::vector<WhatIfDevice> devices;
+  BatchPlan plan;
+  double allreduceSeconds = 0.0;  // the whole ring allreduce of the gradients
+  double exposedAllreduceSeconds = 0.0;
+  double slowestLinkGBps = 0.0;
+  double stepSeconds = 0.0;  // slowest device + exposed allreduce
+  double samplesPerSecond = 0.0;
+  /// PyTorch DDP's equal split on the same mix; 0 when a share exceeds a device's memory.
+  double equalSplitSamplesPerSecond = 0.0;
+  /// The fastest device of the mix training the whole batch alone, and which it is.
+  double fastestAloneSamplesPerSecond = 0.0;
+  int fastest = 0;
+  std::vector<std::string> advice;
+};
+
+/// The planner's cost of each device of `mix` for `profile`; ConfigError when a
+/// calibration names a device the table lacks.
+std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelProfile& profile,
+                                  const WhatIfSettings& settings, const DeviceTable& table);
+
+/// The prediction for `mix` (see the header comment); `table` resolves the device a
+/// calibration ran on. ConfigError when the devices' memory cannot hold the global batch.
+WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& profile,
+                        const WhatIfSettings& settings, const DeviceTable& table);
+
+/// The peak rate (TFLOPS) `device` runs `amp` at: its fp16 / bf16 tensor rate, or its
+/// fp32 rate when it has no such path (or AMP is off).
+double peakTflopsFor(const DeviceSpec& device, AmpMode amp);
+
+}  // namespace hddp

@@ -1,0 +1,394 @@
+// What-if planning (hddp/balance/what_if.h): a mix of the device table's cards and links,
+// a model's profile, and the planner's own solver and allreduce model.
+#include "hddp/balance/what_if.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "hddp/balance/cost_model.h"
+#include "hddp/balance/memory_model.h"
+#include "hddp/core/error.h"
+
+namespace hddp {
+namespace {
+
+using json = nlohmann::json;
+constexpr int64_t kNoCap = std::numeric_limits<int64_t>::max();
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kGiB = 1024.0 * kMiB;
+// Backward's share of a training step's compute (twice the forward's products).
+constexpr double kBackwardShare = 2.0 / 3.0;
+
+std::string format(const char* fmt, double a, double b = 0, double c = 0, double d = 0) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), fmt, a, b, c, d);
+  return buf;
+}
+
+std::string percent(double fraction) { return format("%.0f%%", 100.0 * fraction); }
+
+std::string label(const MixEntry& e) { return e.device.key + " on " + e.link.key; }
+
+// One step of a set of costs: the split, the allreduce and what of it backward hides.
+struct Step {
+  BatchPlan plan;
+  double allreduce = 0.0;
+  double exposed = 0.0;
+  double slowestLinkBytesPerSecond = 0.0;
+  double seconds = 0.0;
+};
+
+double exposedAllreduce(double allreduce, double backward, double parameterBytes,
+                        double bucketBytes) {
+  if (!(allreduce > 0)) {
+    return 0.0;
+  }
+  const double lastBucket = allreduce * std::min(1.0, bucketBytes / parameterBytes);
+  return std::max(allreduce - backward, lastBucket);
+}
+
+Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& local,
+             double parameterBytes, const WhatIfSettings& settings) {
+  const double bucketBytes = settings.bucketBytes;
+  Step s;
+  s.plan.local = local;
+  for (int64_t b : local) {
+    s.plan.global += b;
+  }
+  s.plan.predictedStepSeconds = predictedSeconds(costs, local);
+  for (const auto& c : costs) {
+    if (c.linkBytesPerSecond > 0) {
+      s.slowestLinkBytesPerSecond =
+          s.slowestLinkBytesPerSecond > 0
+              ? std::min(s.slowestLinkBytesPerSecond, c.linkBytesPerSecond)
+              : c.linkBytesPerSecond;
+    }
+  }
+  if (settings.allreduceGBps > 0) {
+    s.slowestLinkBytesPerSecond = settings.allreduceGBps * 1e9;
+  }
+  s.allreduce = ringAllreduceSeconds(parameterBytes, static_cast<int>(costs.size()),
+                                     s.slowestLinkBytesPerSecond);
+  // The allreduce follows the slowest rank's backward: that is when its buckets fill.
+  size_t slowest = 0;
+  for (size_t i = 1; i < costs.size(); ++i) {
+    if (costs[i].predict(local[i]) > costs[slowest].predict(local[slowest])) {
+      slowest = i;
+    }
+  }
+  const double backward =
+      kBackwardShare * costs[slowest].secondsPerSample * static_cast<double>(local[slowest]);
+  s.exposed = exposedAllreduce(s.allreduce, backward, parameterBytes, bucketBytes);
+  s.seconds = s.plan.predictedStepSeconds + s.exposed;
+  return s;
+}
+
+Step solvedStep(const std::vector<RankCost>& costs, int64_t globalBatch, double parameterBytes,
+                const WhatIfSettings& settings) {
+  return stepFor(costs, solveSplit(costs, globalBatch).local, parameterBytes, settings);
+}
+
+// The whole batch on one device, in micro-batches its memory holds (accumulation).
+double aloneSamplesPerSecond(const RankCost& c, int64_t globalBatch) {
+  if (c.maxSamples <= 0) {
+    return 0.0;
+  }
+  const int64_t microBatches =
+      c.maxSamples >= globalBatch ? 1 : (globalBatch + c.maxSamples - 1) / c.maxSamples;
+  const double seconds = static_cast<double>(microBatches) * c.fixedSeconds +
+                         static_cast<double>(globalBatch) * c.perSampleSeconds();
+  return static_cast<double>(globalBatch) / seconds;
+}
+
+double fixedMemoryBytes(const ModelProfile& p, const WhatIfSettings& s) {
+  return p.parameterBytes * (2.0 + s.optimizerStateCopies);
+}
+
+MemoryEstimator::Fit memoryFit(const DeviceSpec& d, const ModelProfile& p,
+                               const WhatIfSettings& s) {
+  MemoryEstimator::Fit fit;
+  fit.steps = 1;
+  fit.fixedBytes = fixedMemoryBytes(p, s);
+  fit.perSampleBytes = p.activationBytesPerSample;
+  fit.totalBytes = d.memoryGiB * kGiB;
+  fit.otherBytes = s.contextBytes;
+  return fit;
+}
+
+const char* precisionName(AmpMode amp) { return amp == AmpMode::Off ? "fp32" : ampModeName(amp); }
+
+}  // namespace
+
+double peakTflopsFor(const DeviceSpec& d, AmpMode amp) {
+  const double rate = amp == AmpMode::Fp16 ? d.fp16Tflops : amp == AmpMode::Bf16 ? d.bf16Tflops : 0;
+  return rate > 0 ? rate : d.fp32Tflops;
+}
+
+std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelProfile& p,
+                                  const WhatIfSettings& s, const DeviceTable& table) {
+  HDDP_CHECK_AS(ConfigError, !mix.empty(), "what-if: the mix names no device");
+  HDDP_CHECK_AS(ConfigError, s.globalBatch > 0, "what-if: the global batch must be positive, not ",
+                s.globalBatch);
+  const bool calibrated = !p.calibratedOn.empty();
+  HDDP_CHECK_AS(ConfigError,
+                calibrated ? p.calibratedSecondsPerSample > 0 : p.trainFlopsPerSample > 0,
+                "what-if: the profile of ", p.model,
+                calibrated ? " has no measured seconds per sample"
+                           : " counts no training FLOPs: calibrate it on a device (--calibrate)");
+  HDDP_CHECK_AS(ConfigError, s.efficiency > 0 && s.efficiency <= 1,
+                "what-if: the efficiency is a share of the peak in (0, 1], not ", s.efficiency);
+  std::vector<RankCost> costs;
+  for (const auto& e : mix) {
+    RankCost c;
+    const double peak = peakTflopsFor(e.device, p.amp);
+    if (calibrated) {
+      const DeviceSpec& k = table.device(p.calibratedOn);
+      c.secondsPerSample = p.calibratedSecondsPerSample * peakTflopsFor(k, p.amp) / peak;
+      c.fixedSeconds = p.calibratedFixedSeconds * k.memoryGBps / e.device.memoryGBps;
+    } else {
+      c.secondsPerSample = p.trainFlopsPerSample / (peak * 1e12 * s.efficiency);
+      c.fixedSeconds =
+          (3.0 + 2.0 * s.optimizerStateCopies) * p.parameterBytes / (e.device.memoryGBps * 1e9);
+    }
+    c.bytesPerSample = p.inputBytesPerSample;
+    c.linkBytesPerSecond = e.link.GBps * 1e9;
+    c.transferOverlapped = s.prefetch;
+    c.maxSamples = MemoryEstimator::capFor(memoryFit(e.device, p, s), s.memoryHeadroom);
+    costs.push_back(c);
+  }
+  return costs;
+}
+
+WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
+                        const WhatIfSettings& s, const DeviceTable& table) {
+  const std::vector<RankCost> costs = whatIfCosts(mix, p, s, table);
+  const int64_t B = s.globalBatch;
+  int64_t room = 0;
+  for (const auto& c : costs) {
+    room = c.maxSamples == kNoCap || room == kNoCap ? kNoCap : room + c.maxSamples;
+  }
+  HDDP_CHECK_AS(ConfigError, room >= B, "what-if: the mix's memory holds ", room, " samples of ",
+                p.model, " per step, fewer than the global batch of ", B,
+                ": lower --global-batch, use --amp, or add a device");
+
+  WhatIfResult r;
+  const Step step = solvedStep(costs, B, p.parameterBytes, s);
+  r.plan = step.plan;
+  r.allreduceSeconds = step.allreduce;
+  r.exposedAllreduceSeconds = step.exposed;
+  r.slowestLinkGBps = step.slowestLinkBytesPerSecond / 1e9;
+  r.stepSeconds = step.seconds;
+  r.samplesPerSecond = static_cast<double>(B) / step.seconds;
+  for (size_t i = 0; i < mix.size(); ++i) {
+    WhatIfDevice d;
+    d.entry = mix[i];
+    d.cost = costs[i];
+    d.local = r.plan.local[i];
+    d.memoryCap = costs[i].maxSamples;
+    d.peakTflops = peakTflopsFor(mix[i].device, p.amp);
+    d.computeSeconds = costs[i].secondsPerSample * static_cast<double>(d.local);
+    d.transferSeconds = costs[i].transferSecondsPerSample() * static_cast<double>(d.local);
+    d.stepSeconds = costs[i].predict(d.local);
+    d.memoryBytes =
+        fixedMemoryBytes(p, s) + p.activationBytesPerSample * static_cast<double>(d.local);
+    r.devices.push_back(d);
+  }
+
+  // Peers: PyTorch DDP's equal split, and the fastest card alone.
+  const BatchPlan equal = equalSplit(static_cast<int>(costs.size()), B);
+  std::string overflow;
+  for (size_t i = 0; i < costs.size(); ++i) {
+    if (equal.local[i] > costs[i].maxSamples && overflow.empty()) {
+      overflow =
+          format("%.0f samples where its memory holds %.0f", static_cast<double>(equal.local[i]),
+                 static_cast<double>(costs[i].maxSamples));
+      overflow = mix[i].device.key + " " + overflow;
+    }
+  }
+  if (overflow.empty()) {
+    r.equalSplitSamplesPerSecond =
+        static_cast<double>(B) / stepFor(costs, equal.local, p.parameterBytes, s).seconds;
+  }
+  for (size_t i = 0; i < costs.size(); ++i) {
+    const double alone = aloneSamplesPerSecond(costs[i], B);
+    if (alone > r.fastestAloneSamplesPerSecond) {
+      r.fastestAloneSamplesPerSecond = alone;
+      r.fastest = static_cast<int>(i);
+    }
+  }
+
+  // Advice, most telling first.
+  auto& advice = r.advice;
+  if (mix.size() > 1) {
+    std::string line = format("hddp's split trains %.0f samples/s", r.samplesPerSecond);
+    if (r.equalSplitSamplesPerSecond > 0) {
+      line += ", " + percent(r.samplesPerSecond / r.equalSplitSamplesPerSecond - 1.0) +
+              format(" more than PyTorch DDP's equal split (%.0f samples/s)",
+                     r.equalSplitSamplesPerSecond);
+    } else {
+      line += "; PyTorch DDP's equal split would run out of memory (" + overflow + ")";
+    }
+    line += ", " + percent(r.samplesPerSecond / r.fastestAloneSamplesPerSecond - 1.0) +
+            " more than the " + mix[static_cast<size_t>(r.fastest)].device.key +
+            format(" alone (%.0f samples/s)", r.fastestAloneSamplesPerSecond);
+    advice.push_back(line);
+    // What each device adds to the others.
+    for (size_t i = 0; i < mix.size(); ++i) {
+      std::vector<RankCost> rest = costs;
+      rest.erase(rest.begin() + static_cast<std::ptrdiff_t>(i));
+      double restRate = 0.0;
+      try {
+        restRate = static_cast<double>(B) /
+                   (rest.size() == 1 ? B / aloneSamplesPerSecond(rest[0], B)
+                                     : solvedStep(rest, B, p.parameterBytes, s).seconds);
+      } catch (const ConfigError&) {
+        restRate = 0.0;  // the others cannot hold the batch
+      }
+      if (restRate <= 0) {
+        advice.push_back("without the " + label(mix[i]) +
+                         " the other devices' memory cannot hold the global batch");
+      } else if (r.samplesPerSecond >= restRate) {
+        advice.push_back("the " + label(mix[i]) + " adds " +
+                         percent(r.samplesPerSecond / restRate - 1.0) + " to the rest of the mix");
+      } else {
+        advice.push_back("the " + label(mix[i]) + " slows the rest of the mix by " +
+                         percent(1.0 - r.samplesPerSecond / restRate) +
+                         " (its link's allreduce costs more than its compute gives): leave it out");
+      }
+    }
+  }
+  // Links slower than the mix's fastest: what they cost, and whether prefetch hides them.
+  double fastestLink = 0.0;
+  for (const auto& c : costs) {
+    fastestLink = std::max(fastestLink, c.linkBytesPerSecond);
+  }
+  for (size_t i = 0; i < mix.size(); ++i) {
+    const auto& c = costs[i];
+    if (c.linkBytesPerSecond >= fastestLink && mix.size() > 1) {
+      continue;
+    }
+    std::vector<RankCost> better = costs;
+    better[i].linkBytesPerSecond = mix.size() > 1 ? fastestLink : 0.0;
+    const double ideal = solvedStep(better, B, p.parameterBytes, s).seconds;
+    const double t = c.transferSecondsPerSample();
+    std::string line =
+        "with this model the " + mix[i].link.key + " link of the " + mix[i].device.key + " costs " +
+        percent(r.stepSeconds / ideal - 1.0) +
+        (mix.size() > 1 ? " against the fastest link" : " against an unlimited link") +
+        format(": input copies %.3f ms/sample", t * 1e3);
+    if (c.transferOverlapped && t <= c.secondsPerSample) {
+      line += format(", hidden by prefetch behind %.3f ms of compute", c.secondsPerSample * 1e3);
+    } else if (c.transferOverlapped) {
+      line += format(", more than its %.3f ms of compute: prefetch cannot hide them",
+                     c.secondsPerSample * 1e3);
+    } else {
+      line += format(", added to its %.3f ms of compute (no prefetch)", c.secondsPerSample * 1e3);
+    }
+    if (c.linkBytesPerSecond == step.slowestLinkBytesPerSecond && r.allreduceSeconds > 0) {
+      line += format(
+          "; the gradient allreduce over it takes %.1f ms per step, %.1f ms of it "
+          "exposed after backward",
+          r.allreduceSeconds * 1e3, r.exposedAllreduceSeconds * 1e3);
+    }
+    advice.push_back(line);
+  }
+  for (size_t i = 0; i < mix.size(); ++i) {
+    const auto fit = memoryFit(mix[i].device, p, s);
+    const int64_t cap = costs[i].maxSamples;
+    const std::string precision =
+        p.amp == AmpMode::Off ? "in fp32" : std::string("with ") + ampModeName(p.amp) + " AMP";
+    if (cap == 0) {
+      advice.push_back("the " + mix[i].device.key +
+                       format(" (%.0f GiB) cannot hold the model ", mix[i].device.memoryGiB) +
+                       precision +
+                       format(": %.2f GiB of weights, gradients and optimizer state, %.0f MiB "
+                              "per sample",
+                              fit.fixedBytes / kGiB, fit.perSampleBytes / kMiB));
+    } else if (cap != kNoCap && r.plan.local[i] == cap && cap < B) {
+      advice.push_back("memory caps the " + mix[i].device.key +
+                       format(" at %.0f samples ", static_cast<double>(cap)) + precision +
+                       format(" (%.0f GiB: %.2f GiB fixed + %.1f MiB per sample, ",
+                              mix[i].device.memoryGiB, fit.fixedBytes / kGiB,
+                              fit.perSampleBytes / kMiB) +
+                       percent(s.memoryHeadroom) + " kept free)");
+    }
+    if (p.amp != AmpMode::Off && peakTflopsFor(mix[i].device, p.amp) == mix[i].device.fp32Tflops &&
+        (p.amp == AmpMode::Fp16 ? mix[i].device.fp16Tflops : mix[i].device.bf16Tflops) <= 0) {
+      const bool fp16 = mix[i].device.fp16Tflops > 0;
+      advice.push_back(
+          "the " + mix[i].device.key + " has no " + ampModeName(p.amp) +
+          " tensor path: predicted at its fp32 rate" +
+          format(" (%.1f TFLOPS)", mix[i].device.fp32Tflops) +
+          (fp16 ? format("; --amp fp16 would use its %.1f TFLOPS", mix[i].device.fp16Tflops)
+                : std::string()));
+    }
+  }
+  if (p.calibratedOn.empty()) {
+    advice.push_back("compute is predicted at " + percent(s.efficiency) + " of each card's " +
+                     precisionName(p.amp) +
+                     " peak (--efficiency); a calibration on a card of the table (--calibrate) "
+                     "replaces that guess with a measurement");
+  }
+  return r;
+}
+
+std::string ModelProfile::toJson() const {
+  json j = {{"model", model},
+            {"forward_flops_per_sample", forwardFlopsPerSample},
+            {"train_flops_per_sample", trainFlopsPerSample},
+            {"activation_bytes_per_sample", activationBytesPerSample},
+            {"parameter_bytes", parameterBytes},
+            {"input_bytes_per_sample", inputBytesPerSample},
+            {"amp", ampModeName(amp)}};
+  if (!calibratedOn.empty()) {
+    j["calibration"] = {{"device", calibratedOn},
+                        {"seconds_per_sample", calibratedSecondsPerSample},
+                        {"fixed_seconds", calibratedFixedSeconds}};
+  }
+  return j.dump(1) + "\n";
+}
+
+ModelProfile ModelProfile::fromJson(const std::string& text, const std::string& origin) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    HDDP_THROW(ConfigError, origin, ": not a model profile (", e.what(), ")");
+  }
+  HDDP_CHECK_AS(ConfigError, j.is_object(), origin, ": a model profile is a JSON object");
+  auto number = [&](const json& o, const char* key, const std::string& where) {
+    HDDP_CHECK_AS(ConfigError, o.contains(key) && o[key].is_number() && o[key].get<double>() >= 0,
+                  origin, ": ", where, key, " must be a number >= 0");
+    return o[key].get<double>();
+  };
+  ModelProfile p;
+  HDDP_CHECK_AS(ConfigError, j.contains("model") && j["model"].is_string(), origin,
+                ": \"model\" must name the model");
+  p.model = j["model"].get<std::string>();
+  p.forwardFlopsPerSample = number(j, "forward_flops_per_sample", "");
+  p.trainFlopsPerSample = number(j, "train_flops_per_sample", "");
+  p.activationBytesPerSample = number(j, "activation_bytes_per_sample", "");
+  p.parameterBytes = number(j, "parameter_bytes", "");
+  p.inputBytesPerSample = number(j, "input_bytes_per_sample", "");
+  HDDP_CHECK_AS(ConfigError, j.contains("amp") && j["amp"].is_string(), origin,
+                ": \"amp\" must be off, bf16 or fp16");
+  try {
+    p.amp = parseAmpMode(j["amp"].get<std::string>());
+  } catch (const ConfigError& e) {
+    HDDP_THROW(ConfigError, origin, ": ", e.what());
+  }
+  if (j.contains("calibration")) {
+    const json& c = j["calibration"];
+    HDDP_CHECK_AS(ConfigError, c.is_object() && c.contains("device") && c["device"].is_string(),
+                  origin, ": calibration.device must name the table's device it ran on");
+    p.calibratedOn = c["device"].get<std::string>();
+    p.calibratedSecondsPerSample = number(c, "seconds_per_sample", "calibration.");
+    p.calibratedFixedSeconds = number(c, "fixed_seconds", "calibration.");
+  }
+  return p;
+}
+
+}  // namespace hddp

@@ -1,0 +1,287 @@
+// What-if planning (hddp/balance/what_if.h) and the model profile it reads
+// (hddp/train/model_profile.h): a golden case derived by hand, the ring model against
+// its formula, the split equal to the solver's, calibration scaling, precision
+// fallback, profile files, and FLOPs and activation memory counted from real modules.
+#include "hddp/balance/what_if.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+
+#include "hddp/balance/cost_model.h"
+#include "hddp/core/error.h"
+#include "hddp/train/model_profile.h"
+
+namespace {
+
+// Two cards and two links, figures chosen to be worked out by hand below.
+hddp::DeviceTable goldenTable() {
+  return hddp::DeviceTable::parse(R"({
+    "devices": {
+      "fast": {"name": "Fast", "fp32_tflops": 10, "fp16_tflops": 0, "bf16_tflops": 0,
+               "memory_gib": 10, "memory_GBps": 100, "source": "test"},
+      "slow": {"name": "Slow", "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
+               "memory_gib": 3, "memory_GBps": 50, "source": "test"}},
+    "links": {
+      "wide":   {"name": "Wide", "GBps": 10, "source": "test"},
+      "narrow": {"name": "Narrow", "GBps": 1, "source": "test"}}})",
+                                  "golden.json");
+}
+
+hddp::ModelProfile goldenProfile() {
+  hddp::ModelProfile p;
+  p.model = "golden";
+  p.trainFlopsPerSample = 2e9;
+  p.parameterBytes = 1e8;
+  p.inputBytesPerSample = 5e5;
+  p.activationBytesPerSample = 32.0 * (1 << 20);
+  return p;
+}
+
+hddp::WhatIfSettings goldenSettings() {
+  hddp::WhatIfSettings s;
+  s.globalBatch = 256;
+  s.efficiency = 0.5;
+  s.optimizerStateCopies = 1;
+  s.memoryHeadroom = 0.10;
+  s.contextBytes = 512.0 * (1 << 20);
+  s.prefetch = true;
+  s.bucketBytes = 25.0 * (1 << 20);
+  return s;
+}
+
+bool hasAdvice(const hddp::WhatIfResult& r, const std::string& text) {
+  for (const auto& a : r.advice) {
+    if (a.find(text) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string adviceText(const hddp::WhatIfResult& r) {
+  std::string all;
+  for (const auto& a : r.advice) {
+    all += a + "\n";
+  }
+  return all;
+}
+
+// By hand, fast on wide and slow on narrow, B = 256:
+//   compute   fast 2e9 / (10e12 x 0.5) = 0.4 ms/sample;  slow 2e9 / (5e12 x 0.5) = 0.8 ms
+//   fixed     (3 + 2 x 1) x 1e8 B / memory bandwidth: fast 5e8 / 100e9 = 5 ms; slow 10 ms
+//   input     5e5 B / 10 GB/s = 0.05 ms; / 1 GB/s = 0.5 ms: both under compute, hidden
+//   memory    fixed 3 x 1e8 B = 286.10 MiB; budget = total x 0.9 - 512 MiB context
+//             fast (9216 - 512 - 286.10) / 32 = 263.06 -> 263
+//             slow (2764.8 - 512 - 286.10) / 32 = 61.46 -> 61
+//   split     unconstrained slow would take 81 (5 + 0.4 a = 10 + 0.8 b): capped at 61,
+//             fast 195: 5 + 78 = 83 ms, slow 10 + 48.8 = 58.8 ms
+//   allreduce ring 2 x (1/2) x 1e8 B / 1 GB/s (the narrow link) = 100 ms; backward of the
+//             slowest rank (fast) 2/3 x 78 = 52 ms; last bucket 26.2144 MB / 1e8 x 100 =
+//             26.2 ms; exposed max(100 - 52, 26.2) = 48 ms
+//   step      83 + 48 = 131 ms: 256 / 0.131 = 1954.2 samples/s
+//   peers     equal split 128 > slow's cap 61: out of memory
+//             fast alone 5 + 256 x 0.4 = 107.4 ms: 2383.6 samples/s (cap 263 >= 256)
+//             slow alone ceil(256 / 61) = 5 micro-batches: 5 x 10 + 256 x 0.8 = 254.8 ms
+//   verdict   the narrow link's allreduce costs more than the slow card gives:
+//             1 - 1954.2 / 2383.6 = 18% slower than the fast card alone
+TEST(WhatIf, AGoldenCaseWorkedOutByHand) {
+  const auto table = goldenTable();
+  const auto mix = table.parseMix("fast@wide,slow@narrow");
+  const auto r = hddp::predictMix(mix, goldenProfile(), goldenSettings(), table);
+  ASSERT_EQ(r.devices.size(), 2u);
+  EXPECT_NEAR(r.devices[0].cost.secondsPerSample, 0.4e-3, 1e-12);
+  EXPECT_NEAR(r.devices[1].cost.secondsPerSample, 0.8e-3, 1e-12);
+  EXPECT_NEAR(r.devices[0].cost.fixedSeconds, 5e-3, 1e-12);
+  EXPECT_NEAR(r.devices[1].cost.fixedSeconds, 10e-3, 1e-12);
+  EXPECT_NEAR(r.devices[1].cost.transferSecondsPerSample(), 0.5e-3, 1e-12);
+  EXPECT_EQ(r.devices[0].memoryCap, 263);
+  EXPECT_EQ(r.devices[1].memoryCap, 61);
+  EXPECT_EQ(r.plan.local, (std::vector<int64_t>{195, 61}));
+  EXPECT_NEAR(r.devices[0].stepSeconds, 0.083, 1e-9);
+  EXPECT_NEAR(r.devices[1].stepSeconds, 0.0588, 1e-9);
+  EXPECT_NEAR(r.allreduceSeconds, 0.100, 1e-9);
+  EXPECT_NEAR(r.exposedAllreduceSeconds, 0.048, 1e-9);
+  EXPECT_NEAR(r.stepSeconds, 0.131, 1e-9);
+  EXPECT_NEAR(r.samplesPerSecond, 256 / 0.131, 1e-6);
+  EXPECT_EQ(r.equalSplitSamplesPerSecond, 0.0) << "128 samples exceed the slow card's 61";
+  EXPECT_EQ(r.fastest, 0);
+  EXPECT_NEAR(r.fastestAloneSamplesPerSecond, 256 / 0.1074, 1e-6);
+  EXPECT_TRUE(hasAdvice(r, "the slow on narrow slows the rest of the mix by 18%")) << adviceText(r);
+  EXPECT_TRUE(hasAdvice(r, "memory caps the slow at 61 samples in fp32")) << adviceText(r);
+  EXPECT_TRUE(hasAdvice(r, "equal split would run out of memory (slow 128 samples"))
+      << adviceText(r);
+  EXPECT_TRUE(hasAdvice(r, "allreduce over it takes 100.0 ms per step, 48.0 ms of it exposed"))
+      << adviceText(r);
+
+  // On the wide link too, the allreduce is 1e8 / 10e9 = 10 ms, of which only the last
+  // bucket (2.62 ms) is exposed: 85.62 ms a step, 2990 samples/s, 25% over fast alone.
+  const auto wide = hddp::predictMix(table.parseMix("fast@wide,slow@wide"), goldenProfile(),
+                                     goldenSettings(), table);
+  EXPECT_NEAR(wide.exposedAllreduceSeconds, 0.00262144, 1e-9);
+  EXPECT_NEAR(wide.stepSeconds, 0.08562144, 1e-9);
+  EXPECT_TRUE(hasAdvice(wide, "the slow on wide adds 25% to the rest of the mix"))
+      << adviceText(wide);
+}
+
+TEST(WhatIf, TheRingModelIsItsFormula) {
+  // Each rank sends and receives 2 (n - 1) / n of the bytes over the slowest link.
+  EXPECT_DOUBLE_EQ(hddp::ringAllreduceSeconds(1e8, 4, 1e9), 2.0 * 3 / 4 * 1e8 / 1e9);
+  EXPECT_DOUBLE_EQ(hddp::ringAllreduceSeconds(1e8, 2, 2.8e9), 1e8 / 2.8e9);
+  EXPECT_EQ(hddp::ringAllreduceSeconds(1e8, 1, 1e9), 0.0) << "one rank reduces nothing";
+  EXPECT_EQ(hddp::ringAllreduceSeconds(1e8, 3, 0.0), 0.0) << "no link term";
+  const auto table = goldenTable();
+  for (const char* spec : {"fast@narrow,slow@wide,fast@wide", "fast@wide,fast@wide"}) {
+    auto profile = goldenProfile();
+    profile.activationBytesPerSample = 0;  // no caps
+    const auto mix = table.parseMix(spec);
+    const auto r = hddp::predictMix(mix, profile, goldenSettings(), table);
+    double slowest = 1e30;
+    for (const auto& e : mix) {
+      slowest = std::min(slowest, e.link.GBps * 1e9);
+    }
+    EXPECT_DOUBLE_EQ(r.allreduceSeconds,
+                     2.0 * (mix.size() - 1.0) / mix.size() * profile.parameterBytes / slowest)
+        << spec;
+  }
+}
+
+TEST(WhatIf, TheSplitIsTheSolversOnTheSameCosts) {
+  const auto table = hddp::DeviceTable::load(HDDP_TEST_DEVICE_TABLE);
+  auto profile = goldenProfile();
+  for (const char* spec : {"rtx4090@pcie4x16,rtx3060@tb3", "rtx3090,rtx3080@pcie3x4,t4@usb4",
+                           "h100@pcie5x16,l4@pcie4x8,rtx2080ti@tb3,a100"}) {
+    for (hddp::AmpMode amp : {hddp::AmpMode::Off, hddp::AmpMode::Bf16}) {
+      profile.amp = amp;
+      auto settings = goldenSettings();
+      settings.globalBatch = 300;
+      const auto mix = table.parseMix(spec);
+      const auto r = hddp::predictMix(mix, profile, settings, table);
+      const auto costs = hddp::whatIfCosts(mix, profile, settings, table);
+      EXPECT_EQ(r.plan.local, hddp::solveSplit(costs, 300).local) << spec;
+      EXPECT_DOUBLE_EQ(r.plan.predictedStepSeconds,
+                       hddp::solveSplit(costs, 300).predictedStepSeconds);
+    }
+  }
+}
+
+TEST(WhatIf, ACalibrationScalesByThePeakRatiosAndAMissingPathFallsBackToFp32) {
+  const auto table = goldenTable();
+  auto profile = goldenProfile();
+  profile.amp = hddp::AmpMode::Bf16;
+  profile.calibratedOn = "fast";
+  profile.calibratedSecondsPerSample = 1e-3;
+  profile.calibratedFixedSeconds = 4e-3;
+  const auto costs =
+      hddp::whatIfCosts(table.parseMix("fast@wide,slow@wide"), profile, goldenSettings(), table);
+  // Neither card has a bf16 path: both at fp32, 10 vs 5 TFLOPS; memory 100 vs 50 GB/s.
+  EXPECT_DOUBLE_EQ(costs[1].secondsPerSample, 2e-3);
+  EXPECT_DOUBLE_EQ(costs[1].fixedSeconds, 8e-3);
+  const auto r =
+      hddp::predictMix(table.parseMix("fast@wide,slow@wide"), profile, goldenSettings(), table);
+  EXPECT_TRUE(hasAdvice(r,
+                        "the slow has no bf16 tensor path: predicted at its fp32 rate (5.0 "
+                        "TFLOPS); --amp fp16 would use its 20.0 TFLOPS"))
+      << adviceText(r);
+  EXPECT_FALSE(hasAdvice(r, "(--efficiency)")) << "a calibrated profile needs no guess";
+  // fp16: the slow card's 20 TFLOPS tensor path against the fast card's fp32 10.
+  profile.amp = hddp::AmpMode::Fp16;
+  EXPECT_DOUBLE_EQ(
+      hddp::whatIfCosts(table.parseMix("slow@wide"), profile, goldenSettings(), table)[0]
+          .secondsPerSample,
+      0.5e-3);
+  profile.calibratedOn = "rtx9090";
+  EXPECT_THROW(hddp::whatIfCosts(table.parseMix("slow@wide"), profile, goldenSettings(), table),
+               hddp::ConfigError);
+}
+
+TEST(WhatIf, AMixThatCannotHoldTheBatchIsAnErrorThatSaysWhatToDo) {
+  const auto table = goldenTable();
+  auto settings = goldenSettings();
+  settings.globalBatch = 1000;  // caps 263 + 61
+  try {
+    hddp::predictMix(table.parseMix("fast@wide,slow@wide"), goldenProfile(), settings, table);
+    FAIL() << "no error";
+  } catch (const hddp::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("the mix's memory holds 324 samples of golden per step, "
+                                         "fewer than the global batch of 1000: lower "
+                                         "--global-batch, use --amp, or add a device"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(WhatIf, AProfileFileRoundTripsAndBadFieldsAreNamed) {
+  auto p = goldenProfile();
+  p.forwardFlopsPerSample = 0.7e9;
+  p.amp = hddp::AmpMode::Fp16;
+  p.calibratedOn = "rtx3060";
+  p.calibratedSecondsPerSample = 2.5e-3;
+  p.calibratedFixedSeconds = 0.01;
+  const auto q = hddp::ModelProfile::fromJson(p.toJson(), "p.json");
+  EXPECT_EQ(q.model, p.model);
+  EXPECT_EQ(q.trainFlopsPerSample, p.trainFlopsPerSample);
+  EXPECT_EQ(q.activationBytesPerSample, p.activationBytesPerSample);
+  EXPECT_EQ(q.amp, hddp::AmpMode::Fp16);
+  EXPECT_EQ(q.calibratedOn, "rtx3060");
+  EXPECT_EQ(q.calibratedFixedSeconds, 0.01);
+  std::string bad = p.toJson();
+  bad.replace(bad.find("\"parameter_bytes\""), 17, "\"parameters\"");
+  try {
+    hddp::ModelProfile::fromJson(bad, "p.json");
+    FAIL() << "no error";
+  } catch (const hddp::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("p.json: parameter_bytes must be a number >= 0"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(hddp::ModelProfile::fromJson("{", "p.json"), hddp::ConfigError);
+}
+
+// FLOPs by hand: a 3x3 convolution's forward is 2 x N x weight elements x output pixels;
+// its backward costs as much again for the weight's gradient and again for the input's,
+// which the first layer does not need.
+TEST(ModelProfile, FlopsAreCountedFromTheModulesShapes) {
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 3, 3).padding(1)),
+                            torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)),
+                            torch::nn::Flatten(), torch::nn::Linear(4 * 5 * 5, 10));
+  const auto flops = hddp::countFlops([&](const at::Tensor& x) { return net->forward(x); },
+                                      torch::randn({2, 2, 5, 5}));
+  const double conv1 = 2.0 * 2 * (3 * 2 * 9) * 25;  // 5400
+  const double conv2 = 2.0 * 2 * (4 * 3 * 9) * 25;  // 10800
+  const double linear = 2.0 * 2 * 100 * 10;         // 4000
+  EXPECT_DOUBLE_EQ(flops.forward, conv1 + conv2 + linear);
+  // Backward: linear (input and weight), conv2 (input and weight), conv1 (weight only).
+  EXPECT_DOUBLE_EQ(flops.backward, 2 * linear + 2 * conv2 + conv1);
+}
+
+TEST(ModelProfile, ActivationMemoryAndParametersComeFromTheModel) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(1000, 1000), torch::nn::ReLU(),
+                            torch::nn::Linear(1000, 10));
+  hddp::ProfileOptions o;
+  o.model = "mlp";
+  o.sampleShape = {1000};
+  o.memoryBatch = 16;
+  o.calibrateOn = "here";
+  o.calibrationBatch = 16;
+  o.calibrationSteps = 3;
+  const auto p = hddp::profileModel([&](const at::Tensor& x) { return net->forward(x); },
+                                    net->parameters(), o);
+  EXPECT_DOUBLE_EQ(p.parameterBytes, 4.0 * (1000 * 1000 + 1000 + 1000 * 10 + 10));
+  EXPECT_DOUBLE_EQ(p.inputBytesPerSample, 4000.0);
+  EXPECT_DOUBLE_EQ(p.forwardFlopsPerSample, 2.0 * (1000 * 1000 + 1000 * 10));
+  // Backward: the first layer's weight only, the second's weight and input.
+  EXPECT_DOUBLE_EQ(p.trainFlopsPerSample, 2.0 * (2 * 1000 * 1000 + 3 * 1000 * 10));
+  // Per sample the step holds its input, the first layer's output and the ReLU's
+  // (4000 B each), then their gradients: between 2 and 6 such vectors.
+  EXPECT_GE(p.activationBytesPerSample, 8000.0);
+  EXPECT_LE(p.activationBytesPerSample, 24000.0);
+  EXPECT_EQ(p.calibratedOn, "here");
+  EXPECT_GT(p.calibratedSecondsPerSample, 0.0);
+  EXPECT_EQ(net->parameters()[0].device().type(), c10::kCPU);
+}
+
+}  // namespace

@@ -1,0 +1,371 @@
+// hddp-probe --what-if (what_if.h): the mix, the model's profile (counted from one of the
+// example models, a TorchScript file, or a saved profile; optionally calibrated on the
+// device at hand), the prediction, and its table, JSON and SVG.
+#include "what_if.h"
+
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "hddp/hddp.h"
+#include "hddp/train/model_profile.h"
+#include "resnet.h"
+#include "unet.h"
+
+namespace hddp_probe {
+namespace {
+
+using json = nlohmann::json;
+constexpr double kMiB = 1024.0 * 1024.0;
+constexpr double kGiB = 1024.0 * kMiB;
+
+std::string readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  HDDP_CHECK_AS(hddp::ConfigError, static_cast<bool>(in), "cannot read ", path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<int64_t> parseShape(const std::string& text) {
+  std::vector<int64_t> shape;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, 'x')) {
+    char* end = nullptr;
+    const long long v = std::strtoll(part.c_str(), &end, 10);
+    HDDP_CHECK_AS(hddp::ConfigError, !part.empty() && *end == '\0' && v > 0, "--input ", text,
+                  ": give the sample's sizes as positive integers joined by x, e.g. 3x224x224");
+    shape.push_back(v);
+  }
+  HDDP_CHECK_AS(hddp::ConfigError, !shape.empty(), "--input is empty: e.g. 3x224x224");
+  return shape;
+}
+
+// The mix and the table: SPEC is a mix, or a JSON file {"mix": [...], "devices": {...},
+// "links": {...}} whose entries join the table.
+std::vector<hddp::MixEntry> loadMix(const WhatIfOptions& o, hddp::DeviceTable& table) {
+  if (!o.deviceTable.empty()) {
+    table.merge(hddp::DeviceTable::load(o.deviceTable));
+  }
+  if (!std::filesystem::is_regular_file(o.spec)) {
+    return table.parseMix(o.spec);
+  }
+  json j;
+  try {
+    j = json::parse(readFile(o.spec));
+  } catch (const json::exception& e) {
+    HDDP_THROW(hddp::ConfigError, o.spec, " is not valid JSON: ", e.what());
+  }
+  HDDP_CHECK_AS(hddp::ConfigError, j.is_object() && j.contains("mix") && j["mix"].is_array(),
+                o.spec, ": a what-if file holds \"mix\": [\"device@link\", ...]");
+  std::string spec;
+  for (const auto& item : j["mix"]) {
+    HDDP_CHECK_AS(hddp::ConfigError, item.is_string(), o.spec,
+                  ": each mix item is a string \"device@link\", not ", item.dump());
+    spec += (spec.empty() ? "" : ",") + item.get<std::string>();
+  }
+  j.erase("mix");
+  if (!j.empty()) {
+    table.merge(hddp::DeviceTable::parse(j.dump(), o.spec));
+  }
+  return table.parseMix(spec);
+}
+
+c10::Device calibrationDevice(const WhatIfOptions& o) {
+  if (!o.calibrateDevice.empty()) {
+    return hddp::parseDeviceName(o.calibrateDevice, "--calibrate-device");
+  }
+  return torch::cuda::is_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
+}
+
+// The profile: saved, or counted from the model (and calibrated when asked).
+hddp::ModelProfile loadProfile(const WhatIfOptions& o, const hddp::DeviceTable& table) {
+  if (!o.profileFile.empty()) {
+    return hddp::ModelProfile::fromJson(readFile(o.profileFile), o.profileFile);
+  }
+  HDDP_CHECK_AS(hddp::ConfigError, !o.model.empty() || !o.modelFile.empty(),
+                "--what-if needs a model: --model (resnet9, resnet20, resnet32, resnet56, "
+                "resnet18, resnet34, resnet50, unet), --model-file (TorchScript) or --profile");
+  hddp::ProfileOptions p;
+  p.amp = hddp::parseAmpMode(o.amp.empty() ? "off" : o.amp);
+  p.calibrationBatch = o.calibrationBatch;
+  if (!o.calibrate.empty()) {
+    table.device(o.calibrate);  // a key the table knows, or a clear error now
+    p.calibrateOn = o.calibrate;
+    p.device = calibrationDevice(o);
+  }
+  if (!o.modelFile.empty()) {
+    HDDP_CHECK_AS(hddp::ConfigError, !o.input.empty(),
+                  "--model-file needs --input, the shape of one sample (e.g. 3x224x224)");
+    p.sampleShape = parseShape(o.input);
+    torch::jit::Module module = torch::jit::load(o.modelFile);
+    module.train();
+    std::vector<at::Tensor> parameters;
+    for (const auto& t : module.parameters()) {
+      parameters.push_back(t);
+    }
+    p.model = std::filesystem::path(o.modelFile).filename().string() + " " + o.input;
+    return hddp::profileModel([&](const at::Tensor& x) { return module.forward({x}).toTensor(); },
+                              parameters, p);
+  }
+  if (o.model == "unet") {
+    p.sampleShape = parseShape(o.input.empty() ? "1x128x128" : o.input);
+    HDDP_CHECK_AS(hddp::ConfigError, p.sampleShape.size() == 3,
+                  "--input for unet is C x H x W, not ", o.input);
+    hddp::models::UNetOptions mo;
+    mo.inChannels = p.sampleShape[0];
+    mo.numClasses = o.classes;
+    hddp::models::UNet net(mo);
+    p.model = "unet " + (o.input.empty() ? std::string("1x128x128") : o.input);
+    return hddp::profileModel([&](const at::Tensor& x) { return net->forward(x); },
+                              net->parameters(), p);
+  }
+  HDDP_CHECK_AS(hddp::ConfigError, hddp::models::isResNetArch(o.model), "--model ", o.model,
+                " is not one of resnet9, resnet20, resnet32, resnet56, resnet18, resnet34, "
+                "resnet50, unet (or give --model-file, a TorchScript model)");
+  const bool imagenet = o.model == "resnet18" || o.model == "resnet34" || o.model == "resnet50";
+  const std::string input = o.input.empty() ? (imagenet ? "3x224x224" : "3x32x32") : o.input;
+  p.sampleShape = parseShape(input);
+  HDDP_CHECK_AS(hddp::ConfigError,
+                p.sampleShape.size() == 3 && p.sampleShape[1] == p.sampleShape[2],
+                "--input for a ResNet is C x S x S (square images), not ", input);
+  hddp::models::ResNetOptions mo;
+  mo.arch = o.model;
+  mo.inChannels = p.sampleShape[0];
+  mo.imageSize = p.sampleShape[1];
+  mo.numClasses = o.classes;
+  hddp::models::ResNet net(mo);
+  p.model = o.model + " " + input;
+  return hddp::profileModel([&](const at::Tensor& x) { return net->forward(x); }, net->parameters(),
+                            p);
+}
+
+std::string fixed(double v, int digits) {
+  char b[64];
+  std::snprintf(b, sizeof(b), "%.*f", digits, v);
+  return b;
+}
+
+std::string capText(int64_t cap) {
+  return cap == std::numeric_limits<int64_t>::max() ? "-" : std::to_string(cap);
+}
+
+json toJson(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const WhatIfOptions& o) {
+  json devices = json::array();
+  for (const auto& d : r.devices) {
+    devices.push_back(
+        {{"device", d.entry.device.key},
+         {"name", d.entry.device.name},
+         {"link", d.entry.link.key},
+         {"link_GBps", d.entry.link.GBps},
+         {"peak_tflops", d.peakTflops},
+         {"local_batch", d.local},
+         {"memory_cap",
+          d.memoryCap == std::numeric_limits<int64_t>::max() ? json(nullptr) : json(d.memoryCap)},
+         {"compute_s_per_sample", d.cost.secondsPerSample},
+         {"transfer_s_per_sample", d.cost.transferSecondsPerSample()},
+         {"fixed_s", d.cost.fixedSeconds},
+         {"compute_s", d.computeSeconds},
+         {"transfer_s", d.transferSeconds},
+         {"step_s", d.stepSeconds},
+         {"memory_bytes", d.memoryBytes}});
+  }
+  return {{"model", json::parse(p.toJson())},
+          {"global_batch", o.settings.globalBatch},
+          {"efficiency", p.calibratedOn.empty() ? json(o.settings.efficiency) : json(nullptr)},
+          {"devices", devices},
+          {"split", r.plan.local},
+          {"allreduce_s", r.allreduceSeconds},
+          {"exposed_allreduce_s", r.exposedAllreduceSeconds},
+          {"slowest_link_GBps", r.slowestLinkGBps},
+          {"step_s", r.stepSeconds},
+          {"samples_per_s", r.samplesPerSecond},
+          {"equal_split_samples_per_s",
+           r.equalSplitSamplesPerSecond > 0 ? json(r.equalSplitSamplesPerSecond) : json(nullptr)},
+          {"fastest_alone",
+           {{"device", r.devices[static_cast<size_t>(r.fastest)].entry.device.key},
+            {"samples_per_s", r.fastestAloneSamplesPerSecond}}},
+          {"advice", r.advice}};
+}
+
+void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const WhatIfOptions& o) {
+  std::string mix;
+  for (const auto& d : r.devices) {
+    mix += (mix.empty() ? "" : " + ") + d.entry.device.key + " on " + d.entry.link.key;
+  }
+  std::printf("What if: %s, global batch %lld\n", mix.c_str(),
+              static_cast<long long>(o.settings.globalBatch));
+  std::printf(
+      "Model: %s, %s: %.2f GFLOPs/sample to train (%.2f forward), %.1f M parameters "
+      "(%.1f MiB), %.2f MiB activations/sample, %.1f KiB input/sample\n",
+      p.model.c_str(), p.amp == hddp::AmpMode::Off ? "fp32" : hddp::ampModeName(p.amp),
+      p.trainFlopsPerSample / 1e9, p.forwardFlopsPerSample / 1e9, p.parameterBytes / 4e6,
+      p.parameterBytes / kMiB, p.activationBytesPerSample / kMiB, p.inputBytesPerSample / 1024.0);
+  if (p.calibratedOn.empty()) {
+    std::printf("Compute: %.0f%% of each card's peak (not calibrated)\n\n",
+                100.0 * o.settings.efficiency);
+  } else {
+    std::printf(
+        "Compute: calibrated on %s, %.3f ms/sample + %.2f ms a step, scaled by peak "
+        "ratios\n\n",
+        p.calibratedOn.c_str(), p.calibratedSecondsPerSample * 1e3, p.calibratedFixedSeconds * 1e3);
+  }
+  std::printf("  %-10s %-9s %7s %6s %7s %11s %9s %8s %10s\n", "device", "link", "TFLOPS", "batch",
+              "mem cap", "compute ms", "input ms", "step ms", "memory GiB");
+  for (const auto& d : r.devices) {
+    std::printf("  %-10s %-9s %7.1f %6lld %7s %11.2f %9.2f %8.2f %10.2f\n",
+                d.entry.device.key.c_str(), d.entry.link.key.c_str(), d.peakTflops,
+                static_cast<long long>(d.local), capText(d.memoryCap).c_str(),
+                d.computeSeconds * 1e3, d.transferSeconds * 1e3, d.stepSeconds * 1e3,
+                d.memoryBytes / kGiB);
+  }
+  if (r.allreduceSeconds > 0) {
+    std::printf(
+        "  allreduce: %.1f MB of gradients over the slowest link (%.1f GB/s, ring): "
+        "%.2f ms, %.2f ms exposed after backward\n",
+        p.parameterBytes / 1e6, r.slowestLinkGBps, r.allreduceSeconds * 1e3,
+        r.exposedAllreduceSeconds * 1e3);
+  }
+  std::printf("  predicted: %.2f ms a step, %.0f samples/s", r.stepSeconds * 1e3,
+              r.samplesPerSecond);
+  if (r.devices.size() > 1) {
+    if (r.equalSplitSamplesPerSecond > 0) {
+      std::printf("; equal split (PyTorch DDP) %.0f samples/s", r.equalSplitSamplesPerSecond);
+    } else {
+      std::printf("; equal split (PyTorch DDP) out of memory");
+    }
+    std::printf("; %s alone %.0f samples/s",
+                r.devices[static_cast<size_t>(r.fastest)].entry.device.key.c_str(),
+                r.fastestAloneSamplesPerSecond);
+  }
+  std::printf("\n\nAdvice\n");
+  for (const auto& a : r.advice) {
+    std::printf("  - %s\n", a.c_str());
+  }
+}
+
+// Per-device time of a step as stacked bars: fixed, compute, input copies not hidden,
+// waiting for the slowest, and the exposed allreduce.
+std::string svgChart(const hddp::WhatIfResult& r, const hddp::ModelProfile& p) {
+  const double total = r.stepSeconds;
+  const int left = 170, width = 560, barHeight = 26, gap = 14, top = 48;
+  const int height = top + static_cast<int>(r.devices.size()) * (barHeight + gap) + 70;
+  std::ostringstream s;
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 30 << "\" height=\""
+    << height << "\" font-family=\"sans-serif\" font-size=\"12\">\n";
+  s << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  s << "<text x=\"10\" y=\"20\" font-size=\"14\">" << p.model << ": "
+    << fixed(r.samplesPerSecond, 0) << " samples/s predicted, " << fixed(total * 1e3, 1)
+    << " ms a step</text>\n";
+  const struct {
+    const char* name;
+    const char* colour;
+  } parts[] = {{"fixed", "#9e9e9e"},
+               {"compute", "#1f77b4"},
+               {"input not hidden", "#ff7f0e"},
+               {"waiting", "#e8e8e8"},
+               {"allreduce exposed", "#d62728"}};
+  double slowest = 0.0;
+  for (const auto& d : r.devices) {
+    slowest = std::max(slowest, d.stepSeconds);
+  }
+  for (size_t i = 0; i < r.devices.size(); ++i) {
+    const auto& d = r.devices[i];
+    const double hidden =
+        d.cost.transferOverlapped ? std::min(d.transferSeconds, d.computeSeconds) : 0.0;
+    const double seconds[] = {d.cost.fixedSeconds, d.computeSeconds, d.transferSeconds - hidden,
+                              slowest - d.stepSeconds, r.exposedAllreduceSeconds};
+    const int y = top + static_cast<int>(i) * (barHeight + gap);
+    s << "<text x=\"10\" y=\"" << y + 17 << "\">" << d.entry.device.key << " @ " << d.entry.link.key
+      << " (" << d.local << ")</text>\n";
+    double x = left;
+    for (size_t k = 0; k < 5; ++k) {
+      const double w = total > 0 ? std::max(0.0, seconds[k]) / total * width : 0.0;
+      if (w > 0) {
+        s << "<rect x=\"" << fixed(x, 1) << "\" y=\"" << y << "\" width=\"" << fixed(w, 1)
+          << "\" height=\"" << barHeight << "\" fill=\"" << parts[k].colour << "\"><title>"
+          << parts[k].name << " " << fixed(seconds[k] * 1e3, 2) << " ms</title></rect>\n";
+      }
+      x += w;
+    }
+  }
+  const int axis = top + static_cast<int>(r.devices.size()) * (barHeight + gap);
+  s << "<line x1=\"" << left << "\" y1=\"" << axis << "\" x2=\"" << left + width << "\" y2=\""
+    << axis << "\" stroke=\"black\"/>\n";
+  for (int t = 0; t <= 4; ++t) {
+    s << "<text x=\"" << left + width * t / 4 << "\" y=\"" << axis + 15
+      << "\" text-anchor=\"middle\">" << fixed(total * 1e3 * t / 4, 1) << " ms</text>\n";
+  }
+  int x = 10;
+  for (const auto& part : parts) {
+    s << "<rect x=\"" << x << "\" y=\"" << axis + 30 << "\" width=\"12\" height=\"12\" fill=\""
+      << part.colour << "\"/><text x=\"" << x + 16 << "\" y=\"" << axis + 40 << "\">" << part.name
+      << "</text>\n";
+    x += 30 + static_cast<int>(std::string(part.name).size()) * 7;
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+void listDevices(const hddp::DeviceTable& table) {
+  std::printf("Devices (fp32 / fp16 / bf16 TFLOPS, memory, memory bandwidth)\n");
+  for (const auto& [key, d] : table.devices()) {
+    std::printf("  %-11s %-26s %6.1f / %6.1f / %6.1f  %5.0f GiB  %5.0f GB/s\n", key.c_str(),
+                d.name.c_str(), d.fp32Tflops, d.fp16Tflops, d.bf16Tflops, d.memoryGiB,
+                d.memoryGBps);
+  }
+  std::printf("Links (usable host-to-device bandwidth)\n");
+  for (const auto& [key, l] : table.links()) {
+    std::printf("  %-11s %-45s %5.1f GB/s\n", key.c_str(), l.name.c_str(), l.GBps);
+  }
+}
+
+}  // namespace
+
+int runWhatIf(const WhatIfOptions& o) {
+  hddp::DeviceTable table = hddp::DeviceTable::builtIn();
+  if (o.listDevices) {
+    if (!o.deviceTable.empty()) {
+      table.merge(hddp::DeviceTable::load(o.deviceTable));
+    }
+    listDevices(table);
+    return 0;
+  }
+  const auto mix = loadMix(o, table);
+  WhatIfOptions options = o;
+  HDDP_CHECK_AS(hddp::ConfigError, o.optimizer == "sgd" || o.optimizer == "adam",
+                "--optimizer is sgd (momentum: 1 copy of the weights) or adam (2), not ",
+                o.optimizer);
+  options.settings.optimizerStateCopies = o.optimizer == "adam" ? 2.0 : 1.0;
+  HDDP_CHECK_AS(hddp::ConfigError, o.profileFile.empty() || o.calibrate.empty(),
+                "--calibrate measures a model (--model or --model-file), not a saved --profile");
+  hddp::ModelProfile profile = loadProfile(o, table);
+  HDDP_CHECK_AS(hddp::ConfigError, o.amp.empty() || hddp::parseAmpMode(o.amp) == profile.amp,
+                o.profileFile, " was measured with --amp ", hddp::ampModeName(profile.amp),
+                ": activations under --amp ", o.amp, " need a new profile (--model ... --amp ",
+                o.amp, " --save-profile FILE)");
+  if (!o.saveProfile.empty()) {
+    std::ofstream(o.saveProfile) << profile.toJson();
+  }
+  const auto result = hddp::predictMix(mix, profile, options.settings, table);
+  if (!o.svg.empty()) {
+    std::ofstream out(o.svg);
+    out << svgChart(result, profile);
+    HDDP_CHECK_AS(hddp::ConfigError, static_cast<bool>(out), "cannot write ", o.svg);
+  }
+  if (o.json) {
+    std::cout << toJson(result, profile, options).dump(1) << "\n";
+  } else {
+    printTable(result, profile, options);
+  }
+  return 0;
+}
+
+}  // namespace hddp_probe

@@ -1,0 +1,34 @@
+// hddp-probe --what-if: predicts a mix of the device table's cards and links for a model
+// (hddp/balance/what_if.h), as a table, JSON and an SVG chart.
+#pragma once
+
+#include <string>
+
+#include "hddp/balance/what_if.h"
+
+namespace hddp_probe {
+
+struct WhatIfOptions {
+  std::string spec;         // "rtx4090@pcie4x16,rtx3060@tb3" or a JSON file
+  std::string deviceTable;  // the user's entries, merged over the shipped table
+  std::string model;        // resnet9..resnet50, unet
+  std::string modelFile;    // a TorchScript model instead
+  std::string input;        // "3x224x224"; "" = the model's usual input
+  int64_t classes = 10;
+  std::string amp;          // off, bf16, fp16; "" = off (or the saved profile's)
+  std::string profileFile;  // a saved profile instead of a model
+  std::string saveProfile;
+  std::string calibrate;        // the table key of the device at hand ("" = none)
+  std::string calibrateDevice;  // "" = cuda:0 when there is one, else cpu
+  int64_t calibrationBatch = 32;
+  std::string optimizer = "sgd";
+  std::string svg;
+  bool json = false;
+  bool listDevices = false;
+  hddp::WhatIfSettings settings;
+};
+
+/// Runs --what-if (or --list-devices); returns the exit code.
+int runWhatIf(const WhatIfOptions& options);
+
+}  // namespace hddp_probe

@@ -17,9 +17,10 @@ would be better; the ResNet-9's 2.6 MB of gradients are ~1% of a step either way
 
 Each case: the trainer runs --steps steps under hddp-run; measured samples/s = global
 batch / the median step time of the last half of the steps, the split = the last step's
-plan. Errors: samples/s relative, each share's absolute difference as a fraction of B.
+plan. Errors: samples/s relative, the largest share's absolute difference as a fraction
+of B; --rounds rounds (each with its own calibration), the median round per case shown.
 
-  bench/what_if_check.py --build build [--steps 60] [--cases 2a,2b,3]
+  bench/what_if_check.py --build build [--steps 60] [--cases 2a,2b,3] [--rounds 3]
 """
 import argparse
 import json
@@ -72,6 +73,7 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--global-batch", type=int, default=256)
     ap.add_argument("--cases", default="2a,2b,3")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--data", default=os.environ.get("HDDP_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
     args = ap.parse_args()
     probe = os.path.join(args.build, "tools", "hddp-probe", "hddp-probe")
@@ -82,49 +84,61 @@ def main():
     with open(os.path.join(work, "table.json"), "w") as f:
         json.dump(table(cases), f)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    profile = os.path.join(work, "resnet9.json")
-    subprocess.run([probe, "--what-if", "cpu1t@host", "--device-table", os.path.join(work, "table.json"),
-                    "--model", "resnet9", "--input", "1x28x28", "--calibrate", "cpu1t", "--calibrate-device", "cpu",
-                    "--calibration-batch", "128", "--save-profile", profile], env=env, check=True,
-                   capture_output=True)
-    p = json.load(open(profile))
-    print(f"calibrated: {p['calibration']['seconds_per_sample'] * 1e3:.3f} ms/sample + "
-          f"{p['calibration']['fixed_seconds'] * 1e3:.1f} ms a step on one thread; "
-          f"{p['train_flops_per_sample'] / 1e6:.1f} MFLOPs/sample, {p['parameter_bytes'] / 1e6:.2f} MB of parameters")
-    rows = []
-    for name, case in cases.items():
-        n = len(case["slowdown"])
-        pred = json.loads(subprocess.run(
-            [probe, "--what-if", mix(case), "--device-table", os.path.join(work, "table.json"), "--profile", profile,
-             "--global-batch", str(args.global_batch), "--no-prefetch", "--allreduce-gbps", str(ALLREDUCE_GBPS),
-             "--json"], env=env, check=True, capture_output=True, text=True).stdout)
-        metrics = os.path.join(work, f"metrics-{name}.jsonl")
-        cmd = [launcher, "--nproc-per-node", str(n), "--no-tty", "--", trainer, "--model", "resnet9",
-               "--dataset", "fashion-mnist", "--data", args.data, "--global-batch", str(args.global_batch),
-               "--max-steps", str(args.steps), "--eval-every", "1000", "--limit-test", "256", "--workers", "0",
-               "--log-every", "1", "--progress", "off", "--metrics", metrics]
-        slow = rank_list(case["slowdown"], 1)
-        link = rank_list(case["link"], 0)
-        if slow:
-            cmd += ["--emulate-slowdown", slow]
-        if link:
-            cmd += ["--emulate-link-gbps", link]
-        subprocess.run(cmd, env=dict(os.environ), check=True, capture_output=True)
-        steps = [json.loads(l) for l in open(metrics) if '"kind":"step"' in l.replace(" ", "")]
-        steps = [s for s in steps if s["rank"] == 0]
-        late = steps[len(steps) // 2:]
-        measured = args.global_batch / statistics.median(s["step_s"] for s in late)
-        plan = late[-1]["plan"]
-        predicted = pred["samples_per_s"]
-        share_err = max(abs(a - b) for a, b in zip(pred["split"], plan)) / args.global_batch
-        rows.append((name, mix(case), predicted, measured, abs(predicted - measured) / measured,
-                     pred["split"], plan, share_err))
+    results = {name: [] for name in cases}
+    for rnd in range(args.rounds):
+        profile = os.path.join(work, f"resnet9-{rnd}.json")
+        subprocess.run([probe, "--what-if", "cpu1t@host", "--device-table", os.path.join(work, "table.json"),
+                        "--model", "resnet9", "--input", "1x28x28", "--calibrate", "cpu1t", "--calibrate-device",
+                        "cpu", "--calibration-batch", "128", "--save-profile", profile], env=env, check=True,
+                       capture_output=True)
+        p = json.load(open(profile))
+        print(f"round {rnd + 1}: calibrated {p['calibration']['seconds_per_sample'] * 1e3:.3f} ms/sample + "
+              f"{p['calibration']['fixed_seconds'] * 1e3:.1f} ms a step on one thread; "
+              f"{p['train_flops_per_sample'] / 1e6:.1f} MFLOPs/sample, {p['parameter_bytes'] / 1e6:.2f} MB of "
+              f"parameters", flush=True)
+        for name, case in cases.items():
+            results[name].append(run_case(args, probe, launcher, trainer, work, env, profile, name, case, rnd))
+    print(f"median of {args.rounds} round(s)")
     print(f"{'case':5} {'mix':45} {'pred s/s':>9} {'meas s/s':>9} {'error':>6}  {'pred split':16} {'meas split':16} share err")
-    for r in rows:
-        print(f"{r[0]:5} {r[1]:45} {r[2]:9.0f} {r[3]:9.0f} {100 * r[4]:5.1f}%  {str(r[5]):16} {str(r[6]):16} {100 * r[7]:.1f}% of B")
-    print(json.dumps({"kind": "what_if_check", "rows": [
-        {"case": r[0], "mix": r[1], "predicted_samples_per_s": r[2], "measured_samples_per_s": r[3],
-         "samples_error": r[4], "predicted_split": r[5], "measured_split": r[6], "share_error": r[7]} for r in rows]}))
+    rows = []
+    for name, rs in results.items():
+        r = sorted(rs, key=lambda x: x["samples_error"])[len(rs) // 2]
+        rows.append(r)
+        print(f"{name:5} {r['mix']:45} {r['predicted_samples_per_s']:9.0f} {r['measured_samples_per_s']:9.0f} "
+              f"{100 * r['samples_error']:5.1f}%  {str(r['predicted_split']):16} {str(r['measured_split']):16} "
+              f"{100 * r['share_error']:.1f}% of B  (rounds: "
+              + ", ".join(f"{100 * x['samples_error']:.1f}%" for x in rs) + ")")
+    print(json.dumps({"kind": "what_if_check", "rounds": results}))
+
+
+def run_case(args, probe, launcher, trainer, work, env, profile, name, case, rnd):
+    n = len(case["slowdown"])
+    pred = json.loads(subprocess.run(
+        [probe, "--what-if", mix(case), "--device-table", os.path.join(work, "table.json"), "--profile", profile,
+         "--global-batch", str(args.global_batch), "--no-prefetch", "--allreduce-gbps", str(ALLREDUCE_GBPS),
+         "--json"], env=env, check=True, capture_output=True, text=True).stdout)
+    metrics = os.path.join(work, f"metrics-{name}-{rnd}.jsonl")
+    cmd = [launcher, "--nproc-per-node", str(n), "--no-tty", "--", trainer, "--model", "resnet9",
+           "--dataset", "fashion-mnist", "--data", args.data, "--global-batch", str(args.global_batch),
+           "--max-steps", str(args.steps), "--eval-every", "1000", "--limit-test", "256", "--workers", "0",
+           "--log-every", "1", "--progress", "off", "--metrics", metrics]
+    slow = rank_list(case["slowdown"], 1)
+    link = rank_list(case["link"], 0)
+    if slow:
+        cmd += ["--emulate-slowdown", slow]
+    if link:
+        cmd += ["--emulate-link-gbps", link]
+    subprocess.run(cmd, env=dict(os.environ), check=True, capture_output=True)
+    steps = [json.loads(l) for l in open(metrics)]
+    steps = [s for s in steps if s.get("kind") == "step" and s["rank"] == 0]
+    late = steps[len(steps) // 2:]
+    measured = args.global_batch / statistics.median(s["step_s"] for s in late)
+    plan = late[-1]["plan"]
+    predicted = pred["samples_per_s"]
+    share_error = max(abs(a - b) for a, b in zip(pred["split"], plan)) / args.global_batch
+    return {"case": name, "mix": mix(case), "predicted_samples_per_s": predicted, "measured_samples_per_s": measured,
+            "samples_error": abs(predicted - measured) / measured, "predicted_split": pred["split"],
+            "measured_split": plan, "share_error": share_error}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+// hddp-probe --what-if end to end: a what-if file with its own devices and links, a saved
+// profile, the JSON and SVG outputs; a model counted by name; errors for bad input.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "hddp/balance/what_if.h"
+#include "support/ranks.h"
+
+namespace {
+
+std::string probe() { return hddp::testing::toolsDir() + "/../hddp-probe/hddp-probe"; }
+
+// A fresh folder, removed by the test (std::filesystem::remove_all is avoided: the
+// torch wheel's libtorch.so exports a broken copy of it).
+std::string tempDir() { return hddp::testing::makeTempDir(); }
+
+void removeDir(const std::string& dir) {
+  ASSERT_EQ(std::system(("rm -rf '" + dir + "'").c_str()), 0) << dir;
+}
+
+// The golden case of tests/balance/what_if_test.cpp (worked out there by hand), through
+// the command line: the file's own entries, the profile file and --efficiency reach
+// the prediction, and the split, step and verdict come back in the JSON.
+TEST(HddpProbeWhatIf, AFileWithItsOwnEntriesAndASavedProfileGiveTheGoldenPrediction) {
+  const std::string dir = tempDir();
+  std::ofstream(dir + "/mix.json") << R"({
+    "mix": ["fast@wide", "slow@narrow"],
+    "devices": {
+      "fast": {"name": "Fast", "fp32_tflops": 10, "fp16_tflops": 0, "bf16_tflops": 0,
+               "memory_gib": 10, "memory_GBps": 100, "source": "test"},
+      "slow": {"name": "Slow", "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
+               "memory_gib": 3, "memory_GBps": 50, "source": "test"}},
+    "links": {
+      "wide":   {"name": "Wide", "GBps": 10, "source": "test"},
+      "narrow": {"name": "Narrow", "GBps": 1, "source": "test"}}})";
+  hddp::ModelProfile p;
+  p.model = "golden";
+  p.trainFlopsPerSample = 2e9;
+  p.parameterBytes = 1e8;
+  p.inputBytesPerSample = 5e5;
+  p.activationBytesPerSample = 32.0 * (1 << 20);
+  std::ofstream(dir + "/profile.json") << p.toJson();
+  const auto r = hddp::testing::runCommand(
+      probe() + " --what-if " + dir + "/mix.json --profile " + dir +
+      "/profile.json --efficiency 0.5 --global-batch 256 --json --svg " + dir + "/chart.svg 2>&1");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["split"], nlohmann::json::parse("[195, 61]"));
+  EXPECT_NEAR(j["step_s"].get<double>(), 0.131, 1e-9);
+  EXPECT_NEAR(j["exposed_allreduce_s"].get<double>(), 0.048, 1e-9);
+  EXPECT_TRUE(j["equal_split_samples_per_s"].is_null());
+  EXPECT_EQ(j["fastest_alone"]["device"], "fast");
+  EXPECT_EQ(j["devices"][1]["memory_cap"], 61);
+  EXPECT_NE(j["advice"].dump().find("slows the rest of the mix by 18%"), std::string::npos)
+      << j["advice"];
+  std::ifstream svg(dir + "/chart.svg");
+  const std::string chart((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_NE(chart.find("<svg"), std::string::npos);
+  EXPECT_NE(chart.find("slow @ narrow (61)"), std::string::npos) << chart;
+  EXPECT_NE(chart.find("allreduce exposed 48.00 ms"), std::string::npos) << chart;
+  removeDir(dir);
+}
+
+// ResNet-20 on 32x32 (He et al. 2016): about 41 M multiply-adds forward, 0.27 M
+// parameters; the profile counts them from the model.
+TEST(HddpProbeWhatIf, AModelByNameIsCountedFromItsLayers) {
+  const std::string dir = tempDir();
+  const auto r =
+      hddp::testing::runCommand(probe() +
+                                " --what-if rtx4090@pcie4x16,rtx3060@tb3 --model resnet20 "
+                                "--input 3x32x32 --json --save-profile " +
+                                dir + "/r20.json 2>&1");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const double forward = j["model"]["forward_flops_per_sample"];
+  EXPECT_GT(forward, 2 * 40e6);
+  EXPECT_LT(forward, 2 * 42e6);
+  const double train = j["model"]["train_flops_per_sample"];
+  EXPECT_GT(train, 2.5 * forward) << "backward: about twice the forward, less the first layer";
+  EXPECT_LT(train, 3.0 * forward);
+  const double params = j["model"]["parameter_bytes"];
+  EXPECT_NEAR(params / 4, 0.27e6, 0.01e6);
+  EXPECT_GT(j["model"]["activation_bytes_per_sample"].get<double>(), 0.0);
+  EXPECT_EQ(j["devices"].size(), 2u);
+  EXPECT_GT(j["split"][0].get<int64_t>(), j["split"][1].get<int64_t>());
+  EXPECT_TRUE(std::filesystem::exists(dir + "/r20.json"));
+  removeDir(dir);
+}
+
+TEST(HddpProbeWhatIf, BadInputSaysWhatWasWrong) {
+  auto run = [](const std::string& args) {
+    return hddp::testing::runCommand(probe() + " " + args + " 2>&1");
+  };
+  auto r = run("--what-if rtx4090,rtx3060@tb2 --model resnet20");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("no link 'tb2' in the device table (did you mean 'tb3'?"),
+            std::string::npos)
+      << r.output;
+  r = run("--what-if rtx4090 --model resnet51");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("--model resnet51 is not one of resnet9"), std::string::npos) << r.output;
+  r = run("--what-if rtx4090 --model resnet20 --input 3x32");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("C x S x S"), std::string::npos) << r.output;
+  r = run("--what-if rtx4090");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("--what-if needs a model"), std::string::npos) << r.output;
+  r = run("--list-devices");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("rtx4090"), std::string::npos);
+  EXPECT_NE(r.output.find("Thunderbolt 3"), std::string::npos);
+}
+
+}  // namespace

@@ -41,18 +41,29 @@ struct Step {
   double seconds = 0.0;
 };
 
+// The bytes of the bucket backward fills last (the first layers' gradients): DDP's
+// buckets in reverse parameter order are a small first one, then full ones, and the
+// remainder last.
+double lastBucketBytes(double parameterBytes, const WhatIfSettings& s) {
+  const double rest = parameterBytes - std::min(parameterBytes, s.firstBucketBytes);
+  if (!(rest > 0)) {
+    return parameterBytes;
+  }
+  const double full = std::ceil(rest / s.bucketBytes) - 1.0;
+  return rest - full * s.bucketBytes;
+}
+
 double exposedAllreduce(double allreduce, double backward, double parameterBytes,
-                        double bucketBytes) {
+                        const WhatIfSettings& s) {
   if (!(allreduce > 0)) {
     return 0.0;
   }
-  const double lastBucket = allreduce * std::min(1.0, bucketBytes / parameterBytes);
+  const double lastBucket = allreduce * lastBucketBytes(parameterBytes, s) / parameterBytes;
   return std::max(allreduce - backward, lastBucket);
 }
 
 Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& local,
              double parameterBytes, const WhatIfSettings& settings) {
-  const double bucketBytes = settings.bucketBytes;
   Step s;
   s.plan.local = local;
   for (int64_t b : local) {
@@ -81,7 +92,7 @@ Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& loc
   }
   const double backward =
       kBackwardShare * costs[slowest].secondsPerSample * static_cast<double>(local[slowest]);
-  s.exposed = exposedAllreduce(s.allreduce, backward, parameterBytes, bucketBytes);
+  s.exposed = exposedAllreduce(s.allreduce, backward, parameterBytes, settings);
   s.seconds = s.plan.predictedStepSeconds + s.exposed;
   return s;
 }

@@ -48,6 +48,7 @@ hddp::WhatIfSettings goldenSettings() {
   s.memoryHeadroom = 0.10;
   s.contextBytes = 512.0 * (1 << 20);
   s.prefetch = true;
+  s.firstBucketBytes = 1.0 * (1 << 20);
   s.bucketBytes = 25.0 * (1 << 20);
   return s;
 }
@@ -79,8 +80,9 @@ std::string adviceText(const hddp::WhatIfResult& r) {
 //   split     unconstrained slow would take 81 (5 + 0.4 a = 10 + 0.8 b): capped at 61,
 //             fast 195: 5 + 78 = 83 ms, slow 10 + 48.8 = 58.8 ms
 //   allreduce ring 2 x (1/2) x 1e8 B / 1 GB/s (the narrow link) = 100 ms; backward of the
-//             slowest rank (fast) 2/3 x 78 = 52 ms; last bucket 26.2144 MB / 1e8 x 100 =
-//             26.2 ms; exposed max(100 - 52, 26.2) = 48 ms
+//             slowest rank (fast) 2/3 x 78 = 52 ms; buckets 1 MiB, 3 x 25 MiB and the
+//             last 1e8 - 1048576 - 3 x 26214400 = 20308224 B: 20.3 ms that cannot hide;
+//             exposed max(100 - 52, 20.3) = 48 ms
 //   step      83 + 48 = 131 ms: 256 / 0.131 = 1954.2 samples/s
 //   peers     equal split 128 > slow's cap 61: out of memory
 //             fast alone 5 + 256 x 0.4 = 107.4 ms: 2383.6 samples/s (cap 263 >= 256)
@@ -117,12 +119,13 @@ TEST(WhatIf, AGoldenCaseWorkedOutByHand) {
       << adviceText(r);
 
   // On the wide link too, the allreduce is 1e8 / 10e9 = 10 ms, of which only the last
-  // bucket (2.62 ms) is exposed: 85.62 ms a step, 2990 samples/s, 25% over fast alone.
+  // bucket (0.20308224 x 10 = 2.03 ms) is exposed: 85.03 ms a step, 3010.7 samples/s,
+  // 26% over fast alone.
   const auto wide = hddp::predictMix(table.parseMix("fast@wide,slow@wide"), goldenProfile(),
                                      goldenSettings(), table);
-  EXPECT_NEAR(wide.exposedAllreduceSeconds, 0.00262144, 1e-9);
-  EXPECT_NEAR(wide.stepSeconds, 0.08562144, 1e-9);
-  EXPECT_TRUE(hasAdvice(wide, "the slow on wide adds 25% to the rest of the mix"))
+  EXPECT_NEAR(wide.exposedAllreduceSeconds, 0.0020308224, 1e-9);
+  EXPECT_NEAR(wide.stepSeconds, 0.0850308224, 1e-9);
+  EXPECT_TRUE(hasAdvice(wide, "the slow on wide adds 26% to the rest of the mix"))
       << adviceText(wide);
 }
 

@@ -22,8 +22,9 @@
 // slowest link (ringAllreduceSeconds, the gradients being the fp32 parameters; or at
 // WhatIfSettings::allreduceGBps when the ring has its own path); DDP runs
 // its buckets during backward (2/3 of the compute), so the exposed part is
-//   max(allreduce - backward, allreduce x min(1, bucket / parameter bytes))
-// (the last bucket cannot hide). Step = slowest rank + exposed allreduce. Peers: PyTorch
+//   max(allreduce - backward, allreduce x last bucket / parameter bytes)
+// (the last bucket, the first layers' gradients, cannot hide: buckets in reverse
+// parameter order are 1 MiB, then 25 MiB each, the remainder last). Step = slowest rank + exposed allreduce. Peers: PyTorch
 // DDP's equal split on the same mix, and the fastest card alone (gradient accumulation
 // when its memory cannot hold the global batch).
 #pragma once
@@ -79,7 +80,9 @@ struct WhatIfSettings {
   double contextBytes = 512.0 * (1 << 20);
   /// The loader copies the next batch on a side stream while the device computes.
   bool prefetch = true;
-  /// DDP's gradient bucket (25 MiB, PyTorch's default).
+  /// DDP's gradient buckets: the first (the last layers' gradients) and the others
+  /// (1 MiB and 25 MiB, PyTorch's and hddp's defaults).
+  double firstBucketBytes = 1.0 * (1 << 20);
   double bucketBytes = 25.0 * (1 << 20);
   /// The bandwidth the gradient ring runs at when it is not the slowest device link
   /// (GB/s; cards joined by NVLink, ranks of one host over loopback); 0 = that link.

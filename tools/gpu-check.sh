@@ -54,6 +54,11 @@ if [ -x "$BUILD/tests/hddp_tests" ]; then
   step check-device 60 bash -c "'$BUILD/tools/hddp-probe/hddp-probe' --check-device cuda:0 &&
     '$BUILD/tools/hddp-probe/hddp-probe' --check-device slot:0 &&
     ! '$BUILD/tools/hddp-probe/hddp-probe' --check-device cuda:7"
+  # What-if calibrated on this card (the table's h200): the measured ResNet-50 step and
+  # the prediction it gives; the log shows the efficiency the card reaches.
+  step what-if 120 bash -c "'$BUILD/tools/hddp-probe/hddp-probe' --what-if h200@pcie5x16,rtx4090@tb3 \
+    --model resnet50 --amp bf16 --calibrate h200 --calibrate-device cuda:0 \
+    --save-profile '$OUT/resnet50-h200-profile.json' --svg '$OUT/what-if.svg' | tee '$OUT/what-if.txt'"
   step all-tests 240 bash -c "cd '$BUILD' && ctest --output-on-failure -j 8 -E 'package\\.'"
 fi
 for b in bench/gpu-*.sh; do

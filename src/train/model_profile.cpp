@@ -300,6 +300,13 @@ ModelProfile profileModel(const ForwardFn& forward, const std::vector<at::Tensor
   HDDP_CHECK_AS(ConfigError, o.memoryBatch > 0 && o.calibrationBatch > 1,
                 "profileModel: batches must be positive (memory ", o.memoryBatch, ", calibration ",
                 o.calibrationBatch, ")");
+  bool trainable = false;
+  for (const auto& t : parameters) {
+    trainable = trainable || t.requires_grad();
+  }
+  HDDP_CHECK_AS(ConfigError, trainable, "profileModel: none of the ", parameters.size(),
+                " parameters of ", o.model.empty() ? "the model" : o.model,
+                " requires grad: there is no training step to profile");
   const c10::Device cpu(c10::kCPU);
   ModelProfile p;
   p.amp = o.amp;
@@ -341,9 +348,16 @@ ModelProfile profileModel(const ForwardFn& forward, const std::vector<at::Tensor
       std::max(0.0, static_cast<double>(peaks[1] - peaks[0]) / static_cast<double>(o.memoryBatch));
 
   if (!o.calibrateOn.empty()) {
-    for (const auto& t : parameters) {
-      t.set_data(t.data().to(o.device));
-    }
+    auto move = [&](const c10::Device& device) {
+      if (o.moveTo) {
+        o.moveTo(device);
+        return;
+      }
+      for (const auto& t : parameters) {
+        t.set_data(t.data().to(device));
+      }
+    };
+    move(o.device);
     std::vector<at::Tensor> momentum;
     for (const auto& t : parameters) {
       momentum.push_back(at::zeros_like(t));
@@ -360,10 +374,8 @@ ModelProfile profileModel(const ForwardFn& forward, const std::vector<at::Tensor
     p.calibratedOn = o.calibrateOn;
     p.calibratedSecondsPerSample = perSample;
     p.calibratedFixedSeconds = fixed;
-    for (const auto& t : parameters) {
-      t.set_data(t.data().to(cpu));
-    }
     clearGrads(parameters);
+    move(cpu);
   }
   return p;
 }

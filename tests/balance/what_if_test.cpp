@@ -287,4 +287,29 @@ TEST(ModelProfile, ActivationMemoryAndParametersComeFromTheModel) {
   EXPECT_EQ(net->parameters()[0].device().type(), c10::kCPU);
 }
 
+// The calibration times the model on a CUDA card (device-generic synchronisation) and
+// puts the weights back where they were.
+TEST(ModelProfile, CalibratesOnACudaCard_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  torch::nn::Sequential net(torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 3).padding(1)),
+                            torch::nn::ReLU(), torch::nn::Flatten(),
+                            torch::nn::Linear(64 * 32 * 32, 10));
+  hddp::ProfileOptions o;
+  o.sampleShape = {3, 32, 32};
+  o.amp = hddp::AmpMode::Bf16;
+  o.calibrateOn = "h200";
+  o.device = c10::Device(c10::kCUDA, 0);
+  o.calibrationBatch = 64;
+  o.moveTo = [&](const c10::Device& d) { net->to(d); };
+  const auto p = hddp::profileModel([&](const at::Tensor& x) { return net->forward(x); },
+                                    net->parameters(), o);
+  EXPECT_GT(p.calibratedSecondsPerSample, 0.0);
+  EXPECT_LT(p.calibratedSecondsPerSample, 1e-3) << "a small net on a GPU";
+  EXPECT_EQ(net->parameters()[0].device().type(), c10::kCPU);
+  std::printf("calibrated on cuda:0: %.3f us/sample + %.3f ms\n", p.calibratedSecondsPerSample * 1e6,
+              p.calibratedFixedSeconds * 1e3);
+}
+
 }  // namespace

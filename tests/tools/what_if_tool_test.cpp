@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include <torch/script.h>
+
 #include "hddp/balance/what_if.h"
 #include "support/ranks.h"
 
@@ -114,6 +116,34 @@ TEST(HddpProbeWhatIf, BadInputSaysWhatWasWrong) {
   EXPECT_EQ(r.exitCode, 0) << r.output;
   EXPECT_NE(r.output.find("rtx4090"), std::string::npos);
   EXPECT_NE(r.output.find("Thunderbolt 3"), std::string::npos);
+}
+
+// A user's own model as TorchScript (here scripted in C++; in Python
+// torch.jit.script(model).save(...)): one 12 -> 10 product, 2 x 12 x 10 = 240 FLOPs
+// forward per sample, and 240 more for the weight's gradient.
+TEST(HddpProbeWhatIf, AUsersTorchScriptModelIsProfiled) {
+  const std::string dir = tempDir();
+  torch::jit::Module m("Net");
+  m.register_parameter("w", torch::randn({10, 12}).requires_grad_(), /*is_buffer=*/false);
+  m.define(R"(
+def forward(self, x):
+    return torch.mm(x.flatten(1), self.w.t())
+)");
+  m.save(dir + "/net.pt");
+  const auto r = hddp::testing::runCommand(probe() + " --what-if rtx3060@tb3 --model-file " + dir +
+                                           "/net.pt --input 3x2x2 --json 2>&1");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["model"]["forward_flops_per_sample"], 240.0);
+  EXPECT_EQ(j["model"]["train_flops_per_sample"], 480.0);
+  EXPECT_EQ(j["model"]["parameter_bytes"], 480.0);
+  EXPECT_EQ(j["model"]["input_bytes_per_sample"], 48.0);
+  EXPECT_EQ(j["model"]["model"], "net.pt 3x2x2");
+  const auto noInput = hddp::testing::runCommand(probe() + " --what-if rtx3060 --model-file " +
+                                                 dir + "/net.pt 2>&1");
+  EXPECT_NE(noInput.exitCode, 0);
+  EXPECT_NE(noInput.output.find("--model-file needs --input"), std::string::npos) << noInput.output;
+  removeDir(dir);
 }
 
 }  // namespace

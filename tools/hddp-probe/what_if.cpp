@@ -112,6 +112,7 @@ hddp::ModelProfile loadProfile(const WhatIfOptions& o, const hddp::DeviceTable& 
       parameters.push_back(t);
     }
     p.model = std::filesystem::path(o.modelFile).filename().string() + " " + o.input;
+    p.moveTo = [&](const c10::Device& d) { module.to(d); };
     return hddp::profileModel([&](const at::Tensor& x) { return module.forward({x}).toTensor(); },
                               parameters, p);
   }
@@ -124,6 +125,7 @@ hddp::ModelProfile loadProfile(const WhatIfOptions& o, const hddp::DeviceTable& 
     mo.numClasses = o.classes;
     hddp::models::UNet net(mo);
     p.model = "unet " + (o.input.empty() ? std::string("1x128x128") : o.input);
+    p.moveTo = [&](const c10::Device& d) { net->to(d); };
     return hddp::profileModel([&](const at::Tensor& x) { return net->forward(x); },
                               net->parameters(), p);
   }
@@ -143,6 +145,7 @@ hddp::ModelProfile loadProfile(const WhatIfOptions& o, const hddp::DeviceTable& 
   mo.numClasses = o.classes;
   hddp::models::ResNet net(mo);
   p.model = o.model + " " + input;
+  p.moveTo = [&](const c10::Device& d) { net->to(d); };
   return hddp::profileModel([&](const at::Tensor& x) { return net->forward(x); }, net->parameters(),
                             p);
 }

@@ -40,6 +40,10 @@ struct ProfileOptions {
   c10::Device device = c10::Device(c10::kCPU);
   int64_t calibrationBatch = 32;
   int calibrationSteps = 5;
+  /// Moves the model (weights and buffers) to a device, e.g. `[&](auto d) { net->to(d); }`;
+  /// the calibration moves it to `device` and back to the CPU. Without it only the
+  /// parameters move (a model without buffers).
+  std::function<void(const c10::Device&)> moveTo;
 };
 
 /// The model's forward pass on a batch; the profile backpropagates the mean of its

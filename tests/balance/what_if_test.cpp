@@ -308,8 +308,8 @@ TEST(ModelProfile, CalibratesOnACudaCard_CUDA) {
   EXPECT_GT(p.calibratedSecondsPerSample, 0.0);
   EXPECT_LT(p.calibratedSecondsPerSample, 1e-3) << "a small net on a GPU";
   EXPECT_EQ(net->parameters()[0].device().type(), c10::kCPU);
-  std::printf("calibrated on cuda:0: %.3f us/sample + %.3f ms\n", p.calibratedSecondsPerSample * 1e6,
-              p.calibratedFixedSeconds * 1e3);
+  std::printf("calibrated on cuda:0: %.3f us/sample + %.3f ms\n",
+              p.calibratedSecondsPerSample * 1e6, p.calibratedFixedSeconds * 1e3);
 }
 
 }  // namespace

@@ -1,14 +1,13 @@
 // hddp-probe --what-if end to end: a what-if file with its own devices and links, a saved
 // profile, the JSON and SVG outputs; a model counted by name; errors for bad input.
 #include <gtest/gtest.h>
+#include <torch/script.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
-
-#include <torch/script.h>
 
 #include "hddp/balance/what_if.h"
 #include "support/ranks.h"

@@ -13,32 +13,16 @@
 #include "hddp/balance/cost_model.h"
 #include "hddp/core/error.h"
 #include "hddp/train/model_profile.h"
+#include "support/what_if_golden.h"
 
 namespace {
 
 // Two cards and two links, figures chosen to be worked out by hand below.
 hddp::DeviceTable goldenTable() {
-  return hddp::DeviceTable::parse(R"({
-    "devices": {
-      "fast": {"name": "Fast", "fp32_tflops": 10, "fp16_tflops": 0, "bf16_tflops": 0,
-               "memory_gib": 10, "memory_GBps": 100, "source": "test"},
-      "slow": {"name": "Slow", "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
-               "memory_gib": 3, "memory_GBps": 50, "source": "test"}},
-    "links": {
-      "wide":   {"name": "Wide", "GBps": 10, "source": "test"},
-      "narrow": {"name": "Narrow", "GBps": 1, "source": "test"}}})",
-                                  "golden.json");
+  return hddp::DeviceTable::parse(hddp::testing::goldenTableJson(), "golden.json");
 }
 
-hddp::ModelProfile goldenProfile() {
-  hddp::ModelProfile p;
-  p.model = "golden";
-  p.trainFlopsPerSample = 2e9;
-  p.parameterBytes = 1e8;
-  p.inputBytesPerSample = 5e5;
-  p.activationBytesPerSample = 32.0 * (1 << 20);
-  return p;
-}
+using hddp::testing::goldenProfile;
 
 hddp::WhatIfSettings goldenSettings() {
   hddp::WhatIfSettings s;

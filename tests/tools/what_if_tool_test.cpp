@@ -11,6 +11,7 @@
 
 #include "hddp/balance/what_if.h"
 #include "support/ranks.h"
+#include "support/what_if_golden.h"
 
 namespace {
 
@@ -29,22 +30,10 @@ void removeDir(const std::string& dir) {
 // the prediction, and the split, step and verdict come back in the JSON.
 TEST(HddpProbeWhatIf, AFileWithItsOwnEntriesAndASavedProfileGiveTheGoldenPrediction) {
   const std::string dir = tempDir();
-  std::ofstream(dir + "/mix.json") << R"({
-    "mix": ["fast@wide", "slow@narrow"],
-    "devices": {
-      "fast": {"name": "Fast", "fp32_tflops": 10, "fp16_tflops": 0, "bf16_tflops": 0,
-               "memory_gib": 10, "memory_GBps": 100, "source": "test"},
-      "slow": {"name": "Slow", "fp32_tflops": 5, "fp16_tflops": 20, "bf16_tflops": 0,
-               "memory_gib": 3, "memory_GBps": 50, "source": "test"}},
-    "links": {
-      "wide":   {"name": "Wide", "GBps": 10, "source": "test"},
-      "narrow": {"name": "Narrow", "GBps": 1, "source": "test"}}})";
-  hddp::ModelProfile p;
-  p.model = "golden";
-  p.trainFlopsPerSample = 2e9;
-  p.parameterBytes = 1e8;
-  p.inputBytesPerSample = 5e5;
-  p.activationBytesPerSample = 32.0 * (1 << 20);
+  const std::string table = hddp::testing::goldenTableJson();
+  std::ofstream(dir + "/mix.json")
+      << R"({"mix": ["fast@wide", "slow@narrow"],)" << table.substr(table.find('{') + 1);
+  const hddp::ModelProfile p = hddp::testing::goldenProfile();
   std::ofstream(dir + "/profile.json") << p.toJson();
   const auto r = hddp::testing::runCommand(
       probe() + " --what-if " + dir + "/mix.json --profile " + dir +

@@ -9,8 +9,8 @@
 # natively (--amp auto), as many steps as 270 s of training allow (--time-budget; the
 # cosine schedule ends with them), one evaluation at the end. The model is ResNet-9 at a
 # quarter width (--model resnet9): half of ResNet-20's multiply-adds in 8 conv layers,
-# so 270 s on 2 float32 cores are 3.3-3.8 epochs instead of ~1.8: 0.929-0.9325 against
-# ResNet-20's 0.89-0.92 (docs/benchmarks.md). No augmentation: in a short run
+# so 270 s on 2 float32 cores are 3.3-6 epochs instead of ~1.8 (0.929-0.9333 against
+# ResNet-20's 0.89-0.92), and 9 in bf16 (0.936-0.940; docs/benchmarks.md). No augmentation: in a short run
 # it slows convergence (0.899 with, 0.914 without for ResNet-20), and so does
 # evaluating on mirror images too (--eval-flip: 0.903 against 0.914).
 set -euo pipefail

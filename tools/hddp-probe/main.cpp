@@ -455,74 +455,6 @@ int showJob(const std::string& dir, bool asJson) {
   return 0;
 }
 
-// --what-if and its options (what_if.h), in their own group of --help.
-void addWhatIfOptions(CLI::App& app, hddp_probe::WhatIfOptions& w) {
-  const std::string g = "What-if (predict a mix of cards and links; docs/egpu.md)";
-  app.add_option("--what-if", w.spec,
-                 "Predict a mix instead of probing: device@link,... (e.g. "
-                 "rtx4090@pcie4x16,rtx3060@tb3; no @link = pcie4x16) or a JSON file with "
-                 "\"mix\" (and \"devices\"/\"links\" of your own)")
-      ->group(g);
-  app.add_flag("--list-devices", w.listDevices, "List the device table's cards and links")
-      ->group(g);
-  app.add_option("--device-table", w.deviceTable,
-                 "Your own device/link entries (devices.json's format), merged over the table")
-      ->group(g);
-  app.add_option("--model", w.model,
-                 "resnet9, resnet20, resnet32, resnet56, resnet18, resnet34, resnet50 or unet: "
-                 "its FLOPs, activation memory and parameters are counted from the model")
-      ->group(g);
-  app.add_option("--model-file", w.modelFile,
-                 "Your own model, saved as TorchScript (needs --input)")
-      ->check(CLI::ExistingFile)
-      ->group(g);
-  app.add_option("--input", w.input,
-                 "One sample's shape, CxHxW (default 3x224x224 for resnet18/34/50, 3x32x32 for "
-                 "the other ResNets, 1x128x128 for unet)")
-      ->group(g);
-  app.add_option("--classes", w.classes, "Output classes of --model")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str()
-      ->group(g);
-  app.add_option("--amp", w.amp, "Precision: off, bf16 or fp16 (default off)")->group(g);
-  app.add_option("--profile", w.profileFile,
-                 "A saved model profile (--save-profile) instead of --model")
-      ->check(CLI::ExistingFile)
-      ->group(g);
-  app.add_option("--save-profile", w.saveProfile, "Write the model's profile to this file")
-      ->group(g);
-  app.add_option("--calibrate", w.calibrate,
-                 "Time the model on the device at hand, which is the table's entry KEY, and scale "
-                 "to the others by peak ratios (instead of --efficiency)")
-      ->group(g);
-  app.add_option("--calibrate-device", w.calibrateDevice,
-                 "The device --calibrate times (default cuda:0, else cpu)")
-      ->group(g);
-  app.add_option("--calibration-batch", w.calibrationBatch,
-                 "Batch --calibrate times (and half of it)")
-      ->check(CLI::Range(2, 1 << 20))
-      ->capture_default_str()
-      ->group(g);
-  app.add_option("--efficiency", w.settings.efficiency,
-                 "Without a calibration: the share of each card's peak a training step reaches")
-      ->check(CLI::Range(0.01, 1.0))
-      ->capture_default_str()
-      ->group(g);
-  app.add_option("--optimizer", w.optimizer,
-                 "sgd (momentum) or adam: the optimizer's state in memory")
-      ->capture_default_str()
-      ->group(g);
-  app.add_flag("!--no-prefetch", w.settings.prefetch,
-               "Input copies do not overlap compute (a loader without prefetch)")
-      ->group(g);
-  app.add_option("--allreduce-gbps", w.settings.allreduceGBps,
-                 "The gradient ring's bandwidth when it has its own path (NVLink; ranks of one "
-                 "host over loopback), GB/s; default: the slowest device link")
-      ->check(CLI::NonNegativeNumber)
-      ->group(g);
-  app.add_option("--svg", w.svg, "Also draw each device's time per step as an SVG chart")->group(g);
-}
-
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -565,7 +497,7 @@ int run(int argc, char** argv) {
                  "the slots that left and came back, steps trained again, re-forming times, the "
                  "newest commit; DIR is the folder hddp-run names (or its --job-dir)");
   hddp_probe::WhatIfOptions w;
-  addWhatIfOptions(app, w);
+  hddp_probe::addWhatIfOptions(app, w);
   CLI11_PARSE(app, argc, argv);
   hddp::log::setLevel(hddp::log::Level::Warn);
   if (!w.spec.empty() || w.listDevices) {

@@ -6,6 +6,10 @@
 
 #include "hddp/balance/what_if.h"
 
+namespace CLI {
+class App;
+}
+
 namespace hddp_probe {
 
 struct WhatIfOptions {
@@ -27,6 +31,9 @@ struct WhatIfOptions {
   bool listDevices = false;
   hddp::WhatIfSettings settings;
 };
+
+/// Adds --what-if and its options to hddp-probe's command line (their own group).
+void addWhatIfOptions(CLI::App& app, WhatIfOptions& options);
 
 /// Runs --what-if (or --list-devices); returns the exit code.
 int runWhatIf(const WhatIfOptions& options);

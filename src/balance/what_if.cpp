@@ -30,6 +30,12 @@ std::string format(const char* fmt, double a, double b = 0, double c = 0, double
 
 std::string percent(double fraction) { return format("%.0f%%", 100.0 * fraction); }
 
+// "12% more than" / "18% less than": `mine` against `other`.
+std::string compared(double mine, double other) {
+  return mine >= other ? percent(mine / other - 1.0) + " more than"
+                       : percent(1.0 - mine / other) + " less than";
+}
+
 std::string label(const MixEntry& e) { return e.device.key + " on " + e.link.key; }
 
 // One step of a set of costs: the split, the allreduce and what of it backward hides.
@@ -236,14 +242,13 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
   if (mix.size() > 1) {
     std::string line = format("hddp's split trains %.0f samples/s", r.samplesPerSecond);
     if (r.equalSplitSamplesPerSecond > 0) {
-      line += ", " + percent(r.samplesPerSecond / r.equalSplitSamplesPerSecond - 1.0) +
-              format(" more than PyTorch DDP's equal split (%.0f samples/s)",
-                     r.equalSplitSamplesPerSecond);
+      line += ", " + compared(r.samplesPerSecond, r.equalSplitSamplesPerSecond) +
+              format(" PyTorch DDP's equal split (%.0f samples/s)", r.equalSplitSamplesPerSecond);
     } else {
       line += "; PyTorch DDP's equal split would run out of memory (" + overflow + ")";
     }
-    line += ", " + percent(r.samplesPerSecond / r.fastestAloneSamplesPerSecond - 1.0) +
-            " more than the " + mix[static_cast<size_t>(r.fastest)].device.key +
+    line += ", " + compared(r.samplesPerSecond, r.fastestAloneSamplesPerSecond) + " the " +
+            mix[static_cast<size_t>(r.fastest)].device.key +
             format(" alone (%.0f samples/s)", r.fastestAloneSamplesPerSecond);
     advice.push_back(line);
     // What each device adds to the others.

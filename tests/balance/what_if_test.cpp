@@ -96,6 +96,11 @@ TEST(WhatIf, AGoldenCaseWorkedOutByHand) {
   EXPECT_EQ(r.fastest, 0);
   EXPECT_NEAR(r.fastestAloneSamplesPerSecond, 256 / 0.1074, 1e-6);
   EXPECT_TRUE(hasAdvice(r, "the slow on narrow slows the rest of the mix by 18%")) << adviceText(r);
+  EXPECT_TRUE(hasAdvice(r,
+                        "hddp's split trains 1954 samples/s; PyTorch DDP's equal split would "
+                        "run out of memory (slow 128 samples where its memory holds 61), 18% "
+                        "less than the fast alone (2384 samples/s)"))
+      << adviceText(r);
   EXPECT_TRUE(hasAdvice(r, "memory caps the slow at 61 samples in fp32")) << adviceText(r);
   EXPECT_TRUE(hasAdvice(r, "equal split would run out of memory (slow 128 samples"))
       << adviceText(r);

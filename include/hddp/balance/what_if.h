@@ -24,9 +24,9 @@
 // its buckets during backward (2/3 of the compute), so the exposed part is
 //   max(allreduce - backward, allreduce x last bucket / parameter bytes)
 // (the last bucket, the first layers' gradients, cannot hide: buckets in reverse
-// parameter order are 1 MiB, then 25 MiB each, the remainder last). Step = slowest rank + exposed allreduce. Peers: PyTorch
-// DDP's equal split on the same mix, and the fastest card alone (gradient accumulation
-// when its memory cannot hold the global batch).
+// parameter order are 1 MiB, then 25 MiB each, the remainder last). Step = slowest rank + exposed
+// allreduce. Peers: PyTorch DDP's equal split on the same mix, and the fastest card alone (gradient
+// accumulation when its memory cannot hold the global batch).
 #pragma once
 
 #include <cstdint>

@@ -145,6 +145,8 @@ class DistributedDataParallel::Impl {
     HDDP_CHECK(local >= 0 && local <= global, "setBatch: the local batch ", local,
                " must be between 0 and the global batch ", global);
     weight_ = static_cast<double>(local) / static_cast<double>(global);
+    bufferWeight_ += weight_;
+    batchSet_ = true;
     stepDone_ = false;  // a new step: finalize() synchronizes again
   }
 
@@ -361,10 +363,18 @@ class DistributedDataParallel::Impl {
   // The end of a synchronized backward (queued on the autograd engine).
   void finalize();
 
+  // Buffers become the sample-weighted mean over ranks of the values each rank
+  // computed since the last synchronisation: a rank with no samples (whose running
+  // statistics never moved) sets nothing, a tiny share sets its part. With ranks that
+  // start from the same values, BatchNorm's running mean is then exactly that of
+  // single-device training on the whole batch. Without setBatch() every rank weighs
+  // the same.
   void syncBuffers() {
     if (comm_.size() > 1 && !buffers_.empty()) {
-      detail::broadcastCoalesced(comm_, buffers_, 0);
+      detail::averageCoalesced(comm_, buffers_, batchSet_ ? bufferWeight_ : 1.0);
     }
+    bufferWeight_ = 0.0;
+    batchSet_ = false;
   }
 
   // ---- buckets ----------------------------------------------------------------------
@@ -423,6 +433,8 @@ class DistributedDataParallel::Impl {
   std::vector<std::string> bufferNames_;
   std::vector<Bucket> buckets_;
   double weight_ = 1.0;
+  double bufferWeight_ = 0.0;  // sum of local/global since the buffers were last synced
+  bool batchSet_ = false;      // setBatch() was called since then
   bool noSync_ = false;
   bool stepActive_ = false;
   bool stepDone_ = false;  // the last step was synchronized; no new one has started

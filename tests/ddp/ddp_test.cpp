@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <numeric>
 #include <random>
 
@@ -425,21 +426,66 @@ TEST(Ddp, CompressionIsCloseToExact) {
   }
 }
 
-TEST(Ddp, BuffersFollowRankZeroWithTheGradients) {
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    torch::nn::Sequential model(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
-                                torch::nn::Linear(6, 2));
+// BatchNorm's running statistics come from the ranks that computed them, weighted by
+// their samples: a rank with no samples (whose statistics never moved) sets nothing,
+// and a tiny share on rank 0 sets only its part. The running mean then equals
+// single-device training's on the whole batch; with one rank holding every sample,
+// the running variance does too. (Rank 0's broadcast gave the zero-share rank's
+// initial statistics to everyone.)
+class BufferStatistics : public ::testing::TestWithParam<std::vector<int64_t>> {};
+
+TEST_P(BufferStatistics, ComeFromTheRanksThatTrainedWeightedBySamples) {
+  const std::vector<int64_t> split = GetParam();
+  const int size = static_cast<int>(split.size());
+  const int64_t B = std::accumulate(split.begin(), split.end(), int64_t{0});
+  torch::manual_seed(7);
+  // Rank 0's samples differ from the rest in mean and spread: wrong weights show.
+  auto x = torch::randn({B, 4});
+  x.narrow(0, 0, split[0]).mul_(5).add_(3);
+  auto makeModel = [] {
+    torch::manual_seed(3);
+    return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
+                                 torch::nn::Linear(6, 2));
+  };
+  auto single = makeModel();
+  const int steps = 3;
+  for (int s = 0; s < steps; ++s) {
+    single->forward(x).sum().backward();
+  }
+  const auto want = single[1]->named_buffers();
+  runThreads(size, [&](int rank, int n, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, n);
+    auto model = makeModel();
     hddp::DistributedDataParallel ddp(model, *comm);
-    torch::manual_seed(50 + rank);  // different data per rank: different batch statistics
-    auto x = torch::randn({8, 4}) * (rank + 1);
-    model->forward(x).sum().backward();
-    auto mean = model[1]->named_buffers()["running_mean"].clone();
-    auto other = mean.clone();
-    comm->broadcast(other, 0).wait();
-    EXPECT_TRUE(mean.equal(other)) << "running stats differ from rank 0's after the step";
+    int64_t offset = 0;
+    for (int r = 0; r < rank; ++r) {
+      offset += split[r];
+    }
+    for (int s = 0; s < steps; ++s) {
+      model->zero_grad();
+      ddp.setBatch(split[rank], B);
+      if (split[rank] == 0) {
+        ddp.finalize();
+      } else {
+        model->forward(x.narrow(0, offset, split[rank])).mean().backward();
+      }
+    }
+    const auto got = model[1]->named_buffers();
+    EXPECT_TRUE(torch::allclose(got["running_mean"], want["running_mean"], 1e-5, 1e-6))
+        << "rank " << rank << ": " << got["running_mean"] << " vs " << want["running_mean"];
+    if (std::count_if(split.begin(), split.end(), [](int64_t b) { return b > 0; }) == 1) {
+      EXPECT_TRUE(torch::allclose(got["running_var"], want["running_var"], 1e-5, 1e-6))
+          << "rank " << rank << ": " << got["running_var"] << " vs " << want["running_var"];
+    }
+    EXPECT_EQ(got["num_batches_tracked"].item<int64_t>(), steps) << "rank " << rank;
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(Splits, BufferStatistics,
+                         ::testing::Values(std::vector<int64_t>{0, 128},
+                                           std::vector<int64_t>{2, 126},
+                                           std::vector<int64_t>{64, 64},
+                                           std::vector<int64_t>{0, 40, 88}));
 
 // Throws c10::OutOfMemoryError in backward when `fail` is set, as a card out of memory
 // halfway through backward does.

@@ -60,11 +60,11 @@ class Module;
 namespace hddp {
 
 enum class BufferSync {
-  /// Buffers (e.g. BatchNorm running statistics) are broadcast from rank 0 together
-  /// with the gradients, every `bufferSyncInterval` steps, at the end of backward:
-  /// no second synchronisation point per step. Default.
+  /// Buffers (e.g. BatchNorm running statistics) become the sample-weighted mean over
+  /// ranks (see syncBuffers()) together with the gradients, every `bufferSyncInterval`
+  /// steps, at the end of backward: no second synchronisation point per step. Default.
   WithGradients,
-  /// PyTorch's behaviour: call `syncBuffers()` before each forward. Costly with unlike
+  /// PyTorch's place for it: call `syncBuffers()` before each forward. Costly with unlike
   /// ranks: it serialises the slow rank's work after the allreduce with the fast
   /// rank's compute.
   BeforeForward,
@@ -185,7 +185,16 @@ class DistributedDataParallel {
   /// for the device.
   bool lastStepAbandoned();
 
-  /// Broadcasts buffers from rank 0 now (BufferSync::BeforeForward: before forward).
+  /// Sets the buffers to their sample-weighted mean over ranks now: each rank weighs
+  /// its values by the local/global shares it set since the last synchronisation, so a
+  /// rank that trained on nothing (whose running statistics never moved) sets nothing
+  /// and a tiny share sets only its part. (PyTorch broadcasts rank 0's buffers, which is
+  /// wrong when rank 0 had no samples.) BatchNorm's running mean then equals that of
+  /// single-device training on the whole batch; the running variance is the weighted
+  /// mean of the ranks' variances. Integer buffers (num_batches_tracked) are rounded.
+  /// Without setBatch() every rank weighs the same; where all weights are 0, rank 0's
+  /// values are kept everywhere. One allreduce (float64) per call; blocks.
+  /// (BufferSync::BeforeForward: call it before each forward.)
   void syncBuffers();
 
   /// Marks finalize()'s wait for the buckets as a communication wait on `timer`

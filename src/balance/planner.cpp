@@ -167,10 +167,29 @@ BatchPlan BatchPlanner::choose(const std::vector<RankCost>& estimates, const Bat
   return candidate;
 }
 
+namespace {
+
+// Whether `b` moves every rank the same way from `current` as `a` does.
+bool sameMove(const std::vector<int64_t>& a, const std::vector<int64_t>& b,
+              const std::vector<int64_t>& current) {
+  if (a.size() != current.size() || b.size() != current.size()) {
+    return false;
+  }
+  auto sign = [](int64_t v) { return (v > 0) - (v < 0); };
+  for (size_t r = 0; r < current.size(); ++r) {
+    if (sign(a[r] - current[r]) != sign(b[r] - current[r])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 BatchPlanner::Decision BatchPlanner::decide(const std::vector<RankEstimator::Estimate>& estimates,
                                             const std::vector<RankCost>& previous,
                                             const BatchPlan& current, const PlannerOptions& options,
-                                            bool calibrating) {
+                                            bool calibrating, const Proposal& pending) {
   Decision d;
   d.costs.resize(estimates.size());
   d.errors.resize(estimates.size());
@@ -179,9 +198,14 @@ BatchPlanner::Decision BatchPlanner::decide(const std::vector<RankEstimator::Est
     const RankEstimator::Estimate& e = estimates[r];
     // What is not measured (the link, whether copies overlap, the memory cap) stays as
     // the seed or the last update had it.
+    // A rank that has measured nothing (a share of 0 since the start) keeps its seed or
+    // last cost: overwriting it with 0 would stop every later plan (choose() keeps the
+    // plan while a cost is unknown).
     RankCost c = r < previous.size() ? previous[r] : RankCost{};
-    c.secondsPerSample = e.secondsPerSample;
-    c.fixedSeconds = e.fixedSeconds;
+    if (e.secondsPerSample > 0) {
+      c.secondsPerSample = e.secondsPerSample;
+      c.fixedSeconds = e.fixedSeconds;
+    }
     if (e.transferSecondsPerSample > 0) {
       // Measured transfer: the link's effective bandwidth for this rank's input.
       if (e.bytesPerSample > 0) {
@@ -193,7 +217,9 @@ BatchPlanner::Decision BatchPlanner::decide(const std::vector<RankEstimator::Est
     }
     d.costs[r] = c;
     d.errors[r] = e.relativeError;
-    allMeasured = allMeasured && c.secondsPerSample > 0;
+    // Every rank with samples has measured; one without keeps a known cost.
+    const bool hasSamples = r < current.local.size() && current.local[r] > 0;
+    allMeasured = allMeasured && c.secondsPerSample > 0 && (!hasSamples || e.secondsPerSample > 0);
   }
   if (calibrating && allMeasured) {
     // The first plan from measurements (the calibration): the plan it replaces was a
@@ -206,8 +232,43 @@ BatchPlanner::Decision BatchPlanner::decide(const std::vector<RankEstimator::Est
     d.calibrated = true;
   } else {
     d.plan = choose(d.costs, current, options, d.errors);
+    bool breaksCap = current.local.size() != d.costs.size();
+    for (size_t r = 0; r < d.costs.size() && !breaksCap; ++r) {
+      breaksCap = current.local[r] > d.costs[r].maxSamples;
+    }
+    if (d.plan.local != current.local && !breaksCap && options.confirmations > 1) {
+      const double now = predictedSeconds(d.costs, current.local);
+      const double gain = now - d.plan.predictedStepSeconds;
+      if (!(gain >= options.decisiveGain * now)) {
+        // A modest gain: adopted once consecutive updates propose the same move.
+        const int count =
+            sameMove(pending.local, d.plan.local, current.local) ? pending.count + 1 : 1;
+        if (count < options.confirmations) {
+          d.proposal = Proposal{d.plan.local, count};
+          d.plan = current;
+          d.plan.predictedStepSeconds = now;
+        }
+      }
+    }
   }
   return d;
+}
+
+BatchPlan BatchPlanner::withProbes(const BatchPlan& plan) const {
+  BatchPlan probed = plan;
+  for (size_t r = 0; r < probed.local.size() && r < costs_.size(); ++r) {
+    if (probed.local[r] != 0 || costs_[r].maxSamples < 1 || !(costs_[r].secondsPerSample > 0) ||
+        costs_[r].predict(1) > 2.0 * plan.predictedStepSeconds) {
+      continue;
+    }
+    const auto donor = std::max_element(probed.local.begin(), probed.local.end());
+    if (*donor <= std::max<int64_t>(1, options_.minLocalBatch)) {
+      continue;
+    }
+    --*donor;
+    probed.local[r] = 1;
+  }
+  return probed;
 }
 
 int64_t BatchPlanner::firstUpdate() const {
@@ -283,16 +344,36 @@ bool BatchPlanner::endStep() {
   for (const auto& c : costs_) {
     hard.push_back(c.maxSamples);
   }
-  Decision d = decide(estimates, withDerivedCaps(costs_), plan_, options_, !measured_);
+  // After a probe the solver's split is adopted outright, as at the calibration: the
+  // probe's one sample was an experiment, not a choice to defend.
+  Decision d =
+      decide(estimates, withDerivedCaps(costs_), plan_, options_, !measured_ || probing_, pending_);
+  pending_ = d.proposal;
+  probing_ = false;
   for (size_t r = 0; r < d.costs.size() && r < hard.size(); ++r) {
     d.costs[r].maxSamples = hard[r];  // the derived caps are re-derived at each update
   }
   measured_ = measured_ || d.calibrated;
   costs_ = d.costs;
-  const BatchPlan& next = d.plan;
+  BatchPlan next = d.plan;
   const std::vector<double>& errors = d.errors;
+  const int64_t update = (step_ - first) / options_.rebalanceEvery;  // 0, 1, 2, ...
+  if (options_.probeEvery > 0 && measured_ &&
+      update % options_.probeEvery == options_.probeEvery - 1) {
+    const BatchPlan probed = withProbes(next);
+    if (probed.local != next.local) {
+      HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_,
+                      ": probing the rank(s) at 0 "
+                      "samples with 1 sample each for ",
+                      options_.rebalanceEvery, " steps (every ", options_.probeEvery,
+                      " updates): plan ", probed.describe());
+      next = probed;
+      next.predictedStepSeconds = predictedSeconds(costs_, next.local);
+      probing_ = true;
+    }
+  }
   const bool changed = next.local != plan_.local;
-  if (changed) {
+  if (changed && !probing_) {
     HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_, ": plan ", plan_.describe(), " -> ",
                     next.describe(), " (predicted step ", next.predictedStepSeconds, " s; ",
                     describeCosts(costs_, errors), ")");
@@ -340,13 +421,21 @@ bool BatchPlanner::setMemoryCap(int rank, int64_t maxSamples) {
                 "the ranks' memory caps ", describeCaps(memoryCaps()), " hold ", capacity,
                 " samples in all, fewer than the global batch ", options_.globalBatch,
                 ": lower the global batch, or save memory (AMP, activation checkpointing)");
+  bool withinCaps = plan_.local.size() == planning.size();
+  for (size_t r = 0; r < planning.size() && withinCaps; ++r) {
+    withinCaps = plan_.local[r] <= planning[r].maxSamples;
+  }
+  if (withinCaps && measured_) {
+    return false;  // a measured plan that respects every cap stands
+  }
   BatchPlan next = solveWithMinimum(planning, options_.globalBatch, options_.minLocalBatch);
   if (measured) {
     next.predictedStepSeconds = predictedSeconds(costs_, next.local);
   }
   const bool changed = next.local != plan_.local;
   if (changed) {
-    HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_, ": rank ", rank, " capped at ",
+    // The step it applies to (1-based, as the Trainer's metrics and warnings count).
+    HDDP_LOG_SHARED("balance", comm_.rank(), "step ", step_ + 1, ": rank ", rank, " capped at ",
                     maxSamples, " samples; plan ", plan_.describe(), " -> ", next.describe());
   }
   plan_ = next;
@@ -421,6 +510,8 @@ void BatchPlanner::restore(const State& state) {
   step_ = state.step;
   estimator_.restore({state.window.begin(), state.window.end()});
   costs_ = state.costs;
+  pending_ = {};  // a proposal waiting for confirmation is proposed again if still true
+  probing_ = false;
   measured_ = step_ >= firstUpdate() && static_cast<int>(costs_.size()) == comm_.size();
   for (const auto& c : costs_) {
     measured_ = measured_ && c.secondsPerSample > 0;

@@ -219,6 +219,49 @@ TEST(Planner, AllRanksDeriveTheSamePlanFromMeasurements) {
       << plans[0][0] << " " << plans[0][1] << " " << plans[0][2];
 }
 
+// A rank seeded at 0 samples (a CPU next to GPUs) keeps its seed cost until it is
+// measured: the others' split follows their measurements (rank 1 measures 4x slower
+// than its seed: about [77, 19, 0] of 96). Its estimate of 0 ("nothing measured") used to
+// overwrite the seed and stop every later plan. Probed every `probeEvery` updates with
+// one sample, a rank that became fast comes back into the split.
+TEST(Planner, ARankSeededAtZeroKeepsItsCostAndIsProbedToComeBack) {
+  auto run = [](double seedOfRank2, int steps) {
+    std::vector<std::vector<int64_t>> plans(3);
+    hddp::testing::runThreads(3, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      hddp::PlannerOptions o(96);
+      o.rebalanceEvery = 5;
+      o.window = 5;
+      o.probeEvery = 3;
+      std::vector<RankCost> seed(3);
+      seed[0].secondsPerSample = 0.001;
+      seed[1].secondsPerSample = 0.001;
+      seed[2].secondsPerSample = seedOfRank2;
+      hddp::BatchPlanner planner(*comm, o, seed);
+      EXPECT_EQ(planner.plan().local[2], 0);
+      const double measured[] = {0.001, 0.004, 0.001};  // rank 2 is fast now, unseen
+      for (int step = 0; step < steps; ++step) {
+        planner.record(planner.localBatch(), planner.localBatch() * measured[rank] + 1e-4);
+        planner.endStep();
+      }
+      plans[rank] = planner.plan().local;
+    });
+    EXPECT_EQ(plans[0], plans[1]);
+    EXPECT_EQ(plans[0], plans[2]);
+    return plans[0];
+  };
+  const auto plan = run(1.0, 10);
+  EXPECT_NEAR(static_cast<double>(plan[0]), 77, 2) << plan[0] << " " << plan[1];
+  EXPECT_NEAR(static_cast<double>(plan[1]), 19, 2);
+  EXPECT_EQ(plan[2], 0);
+  // One sample at its seed of 1 s would stretch the step tenfold: it is not probed.
+  EXPECT_EQ(run(1.0, 30)[2], 0);
+  // Seeded at 0.1 s/sample (one sample: 1.3x the step), it is probed at the third update
+  // (step 15), measured at 1 ms/sample, and taken into the split at step 20.
+  const auto back = run(0.1, 30);
+  EXPECT_GT(back[2], 30) << back[0] << " " << back[1] << " " << back[2];
+}
+
 TEST(Planner, CalibrationAdoptsTheMeasuredSplitDespiteAColdNoisyWindow) {
   // A short calibration is noisy (first-step allocation, caches): rank 1's three steps
   // measure 0.01, 0.05 and 0.03 s/sample (relative spread 0.67). Hysteresis with that
@@ -460,6 +503,28 @@ TEST(Emulation, EveryItemOfAPerRankListIsValidatedAgainstTheWorldSize) {
   m = configErrorOf([] { hddp::emulationFromEnv(0, 2); });
   unsetenv("HDDP_EMULATE_SLOWDOWN");
   EXPECT_TRUE(has(m, "HDDP_EMULATE_SLOWDOWN")) << m;
+}
+
+// In an elastic job (hddp-run sets HDDP_SLOTS, the generation's slots in rank order,
+// and HDDP_SLOT_COUNT) per-rank lists name slots: after slot 1 left, slot 2 is rank 1
+// and keeps its value; a value for the absent slot waits for it; a slot outside the
+// job is still an error.
+TEST(Emulation, InAnElasticJobPerRankListsNameSlots) {
+  setenv("HDDP_SLOTS", "0,2", 1);
+  setenv("HDDP_SLOT_COUNT", "3", 1);
+  EXPECT_EQ(hddp::parseRankValues("V", "2:3,1:5", 2, 1.0), (std::vector<double>{1.0, 3.0}));
+  EXPECT_EQ(hddp::parseRankCaps("--max-local-batch", "2:8", 2), (std::vector<int64_t>{0, 8}));
+  hddp::EmulationOptions e;
+  hddp::parseEmulatedMemory("V", "2:200+12/1000", 2, 1, e);
+  EXPECT_GT(e.memoryTotalBytes, 0.0);
+  const std::string m = configErrorOf([] { hddp::parseRankValues("V", "3:2", 2, 1.0); });
+  EXPECT_NE(m.find("names slot 3, but this elastic job has 3 slot(s)"), std::string::npos) << m;
+  setenv("HDDP_EMULATE_SLOWDOWN", "2:4", 1);
+  EXPECT_EQ(hddp::emulationFromEnv(1, 2).slowdown, 4.0);
+  EXPECT_EQ(hddp::emulationFromEnv(0, 2).slowdown, 1.0);
+  unsetenv("HDDP_EMULATE_SLOWDOWN");
+  unsetenv("HDDP_SLOTS");
+  unsetenv("HDDP_SLOT_COUNT");
 }
 
 TEST(Emulation, ParsesPerRankValuesAndStretchesTime) {

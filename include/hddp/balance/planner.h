@@ -13,8 +13,10 @@
 // ones by more than their errors allow (a card that throttles, a link that drops), the
 // older steps are dropped, so an estimate follows a real change within one exchange.
 // A new plan is adopted only when its predicted gain exceeds `confidence` standard
-// errors of that gain (and `hysteresis` of the step time): the split does not wander
-// on noise and moves once, to the right place, after a real change.
+// errors of that gain (and `hysteresis` of the step time), and, unless the gain is
+// decisive, when the next update proposes the same move again (`confirmations`): the
+// split does not wander on noise and moves once, to the right place, after a real
+// change. A rank at 0 samples keeps its last cost and is probed now and then.
 #pragma once
 
 #include <deque>
@@ -47,6 +49,21 @@ struct PlannerSettings {
   /// real change of speed from noise. Default 3.0 (one-sided 99.9% for normal errors;
   /// the errors are themselves estimated from a few steps); 0 turns the test off.
   double confidence = 3.0;
+  /// A move whose predicted gain is below `decisiveGain` of the step time must be
+  /// proposed by this many consecutive updates, each moving every rank the same way,
+  /// before it is adopted: one window's noise (two ranks sharing cores trade speed
+  /// from window to window) does not move the plan. Default 2; 1 turns it off.
+  int confirmations = 2;
+  /// A move predicted to gain at least this fraction of the step time (a card that
+  /// throttles, a rank that got faster) is adopted at the first update that sees it.
+  /// Default 0.10.
+  double decisiveGain = 0.10;
+  /// A rank at 0 samples is probed every this many plan updates: it gets 1 sample (from
+  /// the largest share) for one update period, so that it is measured again and can
+  /// come back when it would help; the next update then adopts the solver's split
+  /// outright. Skipped when its last known cost predicts 1 sample to take more than
+  /// twice the step. Default 20 (every 200 steps at rebalanceEvery 10); 0 = never.
+  int probeEvery = 20;
   /// Smallest share per rank (1 with SyncBatchNorm, whose layers need a sample on every
   /// rank). Default 0.
   int64_t minLocalBatch = 0;
@@ -163,8 +180,10 @@ class BatchPlanner {
   double lastExchangeSeconds() const { return lastExchangeSeconds_; }
 
   /// Caps `rank`'s share at `maxSamples` (memory: learned from an allocation failure,
-  /// or given) and re-plans at once, without hysteresis, from the last estimates (an
-  /// equal cost per sample before any). Every rank must make the same calls. Throws
+  /// or given), replacing its earlier cap (also a higher one), and re-plans at once,
+  /// without hysteresis, from the last estimates (an equal cost per sample before any),
+  /// unless the plan is measured and already within every cap. Every rank must make the
+  /// same calls. Throws
   /// hddp::ConfigError when the caps can no longer hold the global batch. Returns
   /// true when the plan changed.
   bool setMemoryCap(int rank, int64_t maxSamples);
@@ -217,15 +236,29 @@ class BatchPlanner {
   /// ranks' estimates (what is not measured is kept from `previous`), then choose().
   /// `calibrating`: no plan has come from measurements yet; the first update at which
   /// every rank has measured adopts the solver's split outright. Public for tests.
+  /// A move proposed by consecutive updates but not adopted yet (confirmations).
+  struct Proposal {
+    std::vector<int64_t> local;  // empty: none
+    int count = 0;
+  };
   struct Decision {
     BatchPlan plan;
     std::vector<RankCost> costs;
     std::vector<double> errors;
     bool calibrated = false;  // this update was the calibration
+    /// The move this update proposed and did not adopt yet (pass it to the next).
+    Proposal proposal;
   };
+  /// `pending`: what the update before proposed (its Decision::proposal).
   static Decision decide(const std::vector<RankEstimator::Estimate>& estimates,
                          const std::vector<RankCost>& previous, const BatchPlan& current,
-                         const PlannerOptions& options, bool calibrating);
+                         const PlannerOptions& options, bool calibrating, const Proposal& pending);
+  /// decide() with nothing pending.
+  static Decision decide(const std::vector<RankEstimator::Estimate>& estimates,
+                         const std::vector<RankCost>& previous, const BatchPlan& current,
+                         const PlannerOptions& options, bool calibrating) {
+    return decide(estimates, previous, current, options, calibrating, Proposal{});
+  }
 
  private:
   Communicator& comm_;
@@ -248,6 +281,10 @@ class BatchPlanner {
   double lastExchangeSeconds_ = 0.0;
   /// Whether a plan has been derived from every rank's measurements yet.
   bool measured_ = false;
+  Proposal pending_;      // a move waiting for its confirmation
+  bool probing_ = false;  // the plan gives a rank at 0 samples one sample to measure it
+  /// The plan with one sample for each rank at 0 that is worth probing (probeEvery).
+  BatchPlan withProbes(const BatchPlan& plan) const;
 };
 
 }  // namespace hddp

@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -13,6 +16,64 @@
 #include "hddp/core/logging.h"
 
 namespace hddp {
+
+ListMembers listMembersFromEnv(int worldSize) {
+  ListMembers m;
+  // The launcher's convention (as HDDP_SLOT), not options of the registry.
+  const char* slotsText = std::getenv("HDDP_SLOTS");
+  const std::string slots = slotsText ? slotsText : "";
+  if (slots.empty()) {
+    return m;
+  }
+  std::stringstream items(slots);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    m.slotOfRank.push_back(static_cast<int>(env::parseInt("HDDP_SLOTS", item)));
+  }
+  const char* countText = std::getenv("HDDP_SLOT_COUNT");
+  const std::string count = countText ? countText : "";
+  m.slotCount = count.empty() ? 0 : static_cast<int>(env::parseInt("HDDP_SLOT_COUNT", count));
+  for (int s : m.slotOfRank) {
+    m.slotCount = std::max(m.slotCount, s + 1);
+  }
+  HDDP_CHECK_AS(ConfigError, static_cast<int>(m.slotOfRank.size()) == worldSize, "HDDP_SLOTS='",
+                slots, "' names ", m.slotOfRank.size(), " slot(s) for a job of ", worldSize,
+                " rank(s) (hddp-run sets it in an elastic job)");
+  return m;
+}
+
+namespace {
+
+// The rank a list item's number names (-1: a slot not in this generation, ignored).
+int rankOfItem(const std::string& variable, const std::string& text, const std::string& item,
+               int64_t index, int worldSize, const ListMembers& members) {
+  if (!members.bySlot()) {
+    HDDP_CHECK_AS(ConfigError, index >= 0 && index < worldSize, variable, "='", text, "': item '",
+                  item, "' names rank ", index, ", but this job has ", worldSize, " rank(s) (0..",
+                  worldSize - 1, ")");
+    return static_cast<int>(index);
+  }
+  HDDP_CHECK_AS(ConfigError, index >= 0 && index < members.slotCount, variable, "='", text,
+                "': item '", item, "' names slot ", index, ", but this elastic job has ",
+                members.slotCount, " slot(s) (0..", members.slotCount - 1,
+                "; in an elastic job the items name slots)");
+  for (size_t r = 0; r < members.slotOfRank.size(); ++r) {
+    if (members.slotOfRank[r] == index) {
+      return static_cast<int>(r);
+    }
+  }
+  static std::mutex mu;
+  static std::set<std::string> said;
+  std::lock_guard<std::mutex> lock(mu);
+  if (said.insert(variable + "/" + std::to_string(index)).second) {
+    HDDP_LOG_INFO("balance", variable, ": slot ", index,
+                  " is not in this generation of the elastic job; its value '", item,
+                  "' applies when it is back");
+  }
+  return -1;
+}
+
+}  // namespace
 
 std::vector<double> parseRankValues(const std::string& variable, const std::string& text,
                                     int worldSize, double fallback) {
@@ -31,6 +92,7 @@ std::vector<double> parseRankValues(const std::string& variable, const std::stri
     std::fill(values.begin(), values.end(), number(text, text));
     return values;
   }
+  const ListMembers members = listMembersFromEnv(worldSize);
   std::vector<bool> seen(static_cast<size_t>(worldSize), false);
   std::stringstream items(text);
   std::string item;
@@ -38,14 +100,16 @@ std::vector<double> parseRankValues(const std::string& variable, const std::stri
     const auto colon = item.find(':');
     HDDP_CHECK_AS(ConfigError, colon != std::string::npos, variable, "='", text, "': item '", item,
                   "' is not rank:value (e.g. 1:3 or 0:1,1:2.5)");
-    const int64_t rank = env::parseInt(variable, item.substr(0, colon));
-    HDDP_CHECK_AS(ConfigError, rank >= 0 && rank < worldSize, variable, "='", text, "': item '",
-                  item, "' names rank ", rank, ", but this job has ", worldSize, " rank(s) (0..",
-                  worldSize - 1, ")");
-    HDDP_CHECK_AS(ConfigError, !seen[static_cast<size_t>(rank)], variable, "='", text, "': rank ",
-                  rank, " is listed twice");
+    const int64_t index = env::parseInt(variable, item.substr(0, colon));
+    const double value = number(item, item.substr(colon + 1));
+    const int rank = rankOfItem(variable, text, item, index, worldSize, members);
+    if (rank < 0) {
+      continue;
+    }
+    HDDP_CHECK_AS(ConfigError, !seen[static_cast<size_t>(rank)], variable, "='", text,
+                  "': ", members.bySlot() ? "slot " : "rank ", index, " is listed twice");
     seen[static_cast<size_t>(rank)] = true;
-    values[static_cast<size_t>(rank)] = number(item, item.substr(colon + 1));
+    values[static_cast<size_t>(rank)] = value;
   }
   return values;
 }
@@ -76,6 +140,7 @@ void parseEmulatedMemory(const std::string& variable, const std::string& text, i
   if (text.empty()) {
     return;
   }
+  const ListMembers members = listMembersFromEnv(worldSize);
   std::stringstream items(text);
   std::string item;
   while (std::getline(items, item, ',')) {
@@ -87,9 +152,8 @@ void parseEmulatedMemory(const std::string& variable, const std::string& text, i
         colon != std::string::npos && plus != std::string::npos && slash != std::string::npos,
         variable, "='", text, "': item '", item,
         "' is not rank:FIXED+PER_SAMPLE/TOTAL in MiB (e.g. 1:200+12/1000)");
-    const int64_t r = env::parseInt(variable, item.substr(0, colon));
-    HDDP_CHECK_AS(ConfigError, r >= 0 && r < worldSize, variable, "='", text, "': item '", item,
-                  "' names rank ", r, ", but this job has ", worldSize, " rank(s)");
+    const int r = rankOfItem(variable, text, item, env::parseInt(variable, item.substr(0, colon)),
+                             worldSize, members);
     const double fixed = env::parseFloat(variable, item.substr(colon + 1, plus - colon - 1));
     const double per = env::parseFloat(variable, item.substr(plus + 1, slash - plus - 1));
     const double total = env::parseFloat(variable, item.substr(slash + 1));

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
@@ -108,6 +109,17 @@ std::string ProgressMark::path(const std::string& dir, int slot) {
   return dir + "/progress.slot" + std::to_string(slot);
 }
 
+namespace {
+
+// The job a mark belongs to: the launcher's run id (hddp-run's, or torchrun's
+// rendezvous id), so that marks an earlier job left in a reused folder do not count.
+int64_t markJob() {
+  const char* id = std::getenv("TORCHELASTIC_RUN_ID");
+  return static_cast<int64_t>(std::hash<std::string>{}(id ? id : ""));
+}
+
+}  // namespace
+
 void ProgressMark::open(const std::string& dir, int slot) {
   if (fd_ < 0 && slot >= 0 && !dir.empty()) {
     fd_ = ::open(path(dir, slot).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
@@ -116,22 +128,23 @@ void ProgressMark::open(const std::string& dir, int slot) {
 
 void ProgressMark::write(int64_t step) {
   if (fd_ >= 0) {
-    const long long value = step;
-    (void)!::pwrite(fd_, &value, sizeof(value), 0);  // a hint for the log, no fsync
+    const long long value[2] = {markJob(), step};
+    (void)!::pwrite(fd_, value, sizeof(value), 0);  // a hint for the log, no fsync
   }
 }
 
 int64_t ProgressMark::newest(const std::string& dir) {
   int64_t newest = -1;
+  const int64_t job = markJob();
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     if (entry.path().filename().string().rfind("progress.slot", 0) != 0) {
       continue;
     }
     const int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC);
-    long long value = -1;
-    if (fd >= 0 && ::pread(fd, &value, sizeof(value), 0) == sizeof(value)) {
-      newest = std::max<int64_t>(newest, value);
+    long long value[2] = {0, -1};
+    if (fd >= 0 && ::pread(fd, value, sizeof(value), 0) == sizeof(value) && value[0] == job) {
+      newest = std::max<int64_t>(newest, value[1]);
     }
     if (fd >= 0) {
       ::close(fd);

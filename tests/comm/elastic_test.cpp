@@ -301,3 +301,85 @@ TEST(Elastic, BelowItsMinimumTheJobEndsAtOnceNamingTheRank) {
   EXPECT_EQ(none.exitCode, 1) << none.output;
   EXPECT_NE(none.output.find("not an elastic job's folder"), std::string::npos) << none.output;
 }
+
+namespace {
+
+// `hddp-run --nproc-per-node 2:3` around `wrapper`: slot 2 is unplugged at 0.3 s and
+// may come back at 0.6 s, so the re-form request (SIGUSR1) reaches generation 1's
+// ranks while they are still starting.
+hddp::testing::CommandResult reformWhileStarting(const std::string& dir,
+                                                 const std::string& wrapper) {
+  return runCommand(launcher() + " --nproc-per-node 2:3 --rejoin-every 0.1 --emulate-unplug " +
+                    "2@0.3:0.6 -- " + wrapper + " " + worker() + " elastic-train " + dir);
+}
+
+}  // namespace
+
+// The re-form signal (SIGUSR1) reaches every rank; one still in its first second (here
+// inside a wrapper script that sleeps before it execs the program) must not die of it:
+// hddp-run ignores the signal in the child before exec, and the rank finds the re-form
+// request in the job's folder at its first commit.
+TEST(Elastic, AWrapperScriptAndARankStillStartingReformCleanly) {
+  const std::string dir = hddp::testing::makeTempDir();
+  auto r = reformWhileStarting(dir, "sh -c 'sleep 1.5; exec \"$0\" \"$@\"'");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_EQ(r.output.find("signal 10"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("generation 1: 2 rank(s) on slots 0,1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("generation 2: 3 rank(s) on slots 0,1,2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("trained 150 steps"), std::string::npos) << r.output;
+}
+
+// A usage error on every rank (a configuration error, exit 2, or a flag CLI11 rejects,
+// e.g. 105) ends an elastic job at once with the rank's message: re-forming without a
+// slot cannot fix it (it used to re-form until fewer than the minimum were left). Any
+// other failure still re-forms without the slot.
+TEST(Elastic, AUsageErrorOnEveryRankEndsTheJobAtOnce) {
+  for (int code : {2, 105}) {
+    auto r =
+        runCommand(launcher() + " --nproc-per-node 2:3 -- sh -c 'echo \"bad flag\" >&2; exit " +
+                   std::to_string(code) + "'");
+    EXPECT_EQ(r.exitCode, code) << r.output;
+    EXPECT_NE(r.output.find("a usage error"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("bad flag"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("generation 1"), std::string::npos) << r.output;
+  }
+  auto other = runCommand(launcher() + " --nproc-per-node 1:2 --max-restarts 1 -- sh -c 'exit 3'");
+  EXPECT_NE(other.output.find(" left: rank "), std::string::npos) << other.output;
+  EXPECT_EQ(other.output.find("a usage error"), std::string::npos) << other.output;
+}
+
+// Per-rank options of an elastic job name slots: with slot 2 emulated slower, the
+// generation that re-forms without it (2 ranks) runs on, where "2:2" used to name a
+// rank that no longer exists and ended the job.
+TEST(Elastic, PerRankOptionsNameSlotsAndSurviveAReforming) {
+  const std::string dir = hddp::testing::makeTempDir();
+  auto r = runCommand("HDDP_EMULATE_SLOWDOWN=2:2 HDDP_LOG_LEVEL=info " + launcher() +
+                      " --nproc-per-node 2:3 --rejoin-every 1000 --emulate-unplug 2@1.5 -- " +
+                      worker() + " elastic-train " + dir);
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("generation 1: 2 rank(s) on slots 0,1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("slot 2 is not in this generation"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("trained 150 steps"), std::string::npos) << r.output;
+}
+
+// Progress marks belong to one job: marks an earlier job left in a reused save folder
+// do not count as steps this job trained (they skewed the "trained again" count).
+TEST(Elastic, ProgressMarksOfAnEarlierJobInTheFolderDoNotCount) {
+  const std::string dir = hddp::testing::makeTempDir();
+  setenv("TORCHELASTIC_RUN_ID", "hddp-earlier", 1);
+  {
+    hddp::train::ProgressMark mark;
+    mark.open(dir, 1);
+    mark.write(99);
+  }
+  EXPECT_EQ(hddp::train::ProgressMark::newest(dir), 99);
+  setenv("TORCHELASTIC_RUN_ID", "hddp-this", 1);
+  EXPECT_EQ(hddp::train::ProgressMark::newest(dir), -1);
+  {
+    hddp::train::ProgressMark mark;
+    mark.open(dir, 0);
+    mark.write(5);
+  }
+  EXPECT_EQ(hddp::train::ProgressMark::newest(dir), 5);
+  unsetenv("TORCHELASTIC_RUN_ID");
+}

@@ -45,6 +45,12 @@ TEST(HddpRunTerminal, AnotherRanksLineClearsTheBarAndTheBarComesBack) {
   EXPECT_EQ(terminal.bar, second) << "only the newest redraw is kept";
   terminal.write(slave, "[rank 1] a message\n");
   EXPECT_EQ(readAll(master), "\r\033[K[rank 1] a message\n" + second);
+  // Rank 0's own log line written onto its bar: the bar is cleared first, the line
+  // written whole, and the bar drawn again (it was written onto the bar's text).
+  const std::string own = "[2026-12-04 19:30:27.630] [rank 0] [hddp.balance] [info] plan\n";
+  terminal.passThrough(slave, own.data(), own.size());
+  EXPECT_EQ(readAll(master), "\r\033[K" + own + second);
+  EXPECT_EQ(terminal.bar, second);
   const std::string end = "\nepoch 1/3: train loss 1.2\n";
   terminal.passThrough(slave, end.data(), end.size());
   EXPECT_TRUE(terminal.bar.empty());

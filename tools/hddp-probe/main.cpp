@@ -427,9 +427,9 @@ int showJob(const std::string& dir, bool asJson) {
     const std::string name = entry.path().filename().string();
     if (name.rfind("progress.slot", 0) == 0) {
       std::ifstream in(entry.path(), std::ios::binary);
-      long long step = -1;  // the Trainer's 8-byte mark (src/train/elastic.h)
-      if (in.read(reinterpret_cast<char*>(&step), sizeof(step))) {
-        reached[name.substr(13)] = step;
+      long long mark[2] = {0, -1};  // the Trainer's mark: job, step (src/train/elastic.cpp)
+      if (in.read(reinterpret_cast<char*>(mark), sizeof(mark))) {
+        reached[name.substr(13)] = mark[1];
       }
     }
   }

@@ -267,6 +267,16 @@ int launchElastic(const LaunchConfig& config) {
       say("the ranks committed and left to re-form the group");
       continue;
     }
+    if (outcome.usageError) {
+      // A configuration error or a rejected flag, the same on every rank: no member
+      // can run the program as given, so re-forming would only fail again.
+      const auto& [slot, why] = outcome.failed.front();
+      say("slot " + std::to_string(slot) + ": " + why +
+          ", a usage error (the program's message is above); re-forming cannot fix it, so "
+          "the job ends");
+      say("job failed (exit code " + std::to_string(outcome.exitCode) + ")");
+      return finish(config, dir, generation, outcome.exitCode, "usage error: " + why);
+    }
     for (const auto& [slot, why] : outcome.failed) {
       Slot& s = slots[static_cast<size_t>(slot)];
       s.away = true;

@@ -51,10 +51,29 @@ struct Terminal {
     const std::string out = "\r\033[K" + text + bar;
     (void)!::write(target, out.data(), out.size());
   }
-  // Rank 0's raw output: passed through, the open line remembered.
+  // Rank 0's raw output: passed through, the open line remembered. Text that rank 0
+  // writes onto its own open bar (a log line, which neither redraws the bar with '\r'
+  // nor ends its line with '\n') clears the bar first, is written whole, and the bar
+  // is drawn again below it, as another rank's line is.
   void passThrough(int target, const char* data, size_t n) {
-    (void)!::write(target, data, n);
     const std::string chunk(data, n);
+    const bool ontoBar = !bar.empty() && bar[0] == '\r' && n > 0 && data[0] != '\r' &&
+                         data[0] != '\n' && isatty(target);
+    if (ontoBar) {
+      const size_t lineEnd = chunk.rfind('\n');
+      const std::string out =
+          lineEnd == std::string::npos
+              ? "\r\033[K" + chunk
+              : "\r\033[K" + chunk.substr(0, lineEnd + 1) + bar + chunk.substr(lineEnd + 1);
+      (void)!::write(target, out.data(), out.size());
+      if (lineEnd == std::string::npos) {
+        bar = chunk;  // a line in the making: the bar comes back at the next redraw
+      } else if (lineEnd + 1 < chunk.size()) {
+        bar = chunk.substr(lineEnd + 1);
+      }
+      return;
+    }
+    (void)!::write(target, data, n);
     const size_t nl = chunk.rfind('\n');
     bar = nl == std::string::npos ? bar + chunk : chunk.substr(nl + 1);
     const size_t cr = bar.rfind('\r');
@@ -257,6 +276,13 @@ class Group {
         env.push_back("HDDP_ELASTIC=1");
         env.push_back("HDDP_SLOT=" + std::to_string(slot));
         env.push_back("HDDP_ELASTIC_DIR=" + elasticDir_);
+        // Per-rank lists (--emulate-*, --max-local-batch) name slots in an elastic job.
+        std::string slotList;
+        for (int active : slots_) {
+          slotList += (slotList.empty() ? "" : ",") + std::to_string(active);
+        }
+        env.push_back("HDDP_SLOTS=" + slotList);
+        env.push_back("HDDP_SLOT_COUNT=" + std::to_string(config_.nprocPerNode));
       }
       if (!config_.devices.empty()) {
         std::string list;
@@ -284,6 +310,13 @@ class Group {
         signal(SIGINT, SIG_DFL);
         signal(SIGTERM, SIG_DFL);
         signal(SIGPIPE, SIG_DFL);
+        if (elastic) {
+          // The re-form request (SIGUSR1) must not kill a rank that has not yet set up
+          // its handler, nor a wrapper script around it: an ignored signal stays ignored
+          // across exec, and the Trainer installs its own handler. A rank that cannot
+          // receive it finds the reform file at its next commit.
+          signal(SIGUSR1, SIG_IGN);
+        }
         dup2(outPipe[1], STDOUT_FILENO);
         dup2(errPipe[1], STDERR_FILENO);
         for (const auto& kv : env) {
@@ -325,6 +358,8 @@ class Group {
     bool reform = false;       // elastic: the ranks left at a commit to re-form the group
     // Elastic: the slots whose rank failed (before the others were stopped), and how.
     std::vector<std::pair<int, std::string>> failed;
+    // Every rank that failed exited with a usage error (isUsageExitCode).
+    bool usageError = false;
   };
 
   // Elastic mode: SIGUSR1 to every rank, once; they commit and leave with
@@ -375,6 +410,7 @@ class Group {
     bool interrupted = false;
     bool stopping = false;
     std::vector<std::pair<int, std::string>> failedSlots;
+    bool usageError = false;
     std::chrono::steady_clock::time_point killAt{};
     int result = 0;
     while (true) {
@@ -394,10 +430,13 @@ class Group {
           }
           result = exitCodeOf(first->status);
           stopping = true;
+          usageError = true;
           for (const auto& r : ranks_) {
             if (!r.running && failed(r)) {
               failedSlots.emplace_back(
                   r.slot, "rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
+              usageError =
+                  usageError && WIFEXITED(r.status) && isUsageExitCode(WEXITSTATUS(r.status));
             }
           }
         }
@@ -443,7 +482,7 @@ class Group {
         say("rank " + std::to_string(first->globalRank) + " " + describeStatus(first->status));
       }
     }
-    Outcome outcome{result, interrupted, false, std::move(failedSlots)};
+    Outcome outcome{result, interrupted, false, std::move(failedSlots), usageError};
     for (const auto& r : ranks_) {
       outcome.reform = outcome.reform || (result == 0 && leftToReform(r));
     }

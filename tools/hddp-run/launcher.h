@@ -54,6 +54,11 @@ struct LaunchConfig {
 /// (hddp-run asked for it with SIGUSR1; see hddp/train/trainer.h).
 constexpr int kReformExitCode = 75;
 
+/// A usage error: the exit code of a configuration error (2, hddp's trainers) or of a
+/// command line that CLI11 rejects (100 to 114, e.g. 105 for a value out of range).
+/// Every rank gets the same one, so re-forming without a slot cannot help.
+inline bool isUsageExitCode(int code) { return code == 2 || (code >= 100 && code <= 114); }
+
 /// Parses --nproc-per-node: "N" or "MIN:MAX" (elastic). Returns the error to print.
 std::string parseNproc(const std::string& text, LaunchConfig& config);
 /// The path of tool `name` next to this program (installed side by side, or in the

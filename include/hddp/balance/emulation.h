@@ -50,10 +50,27 @@ struct EmulationOptions {
 /// variable (every item is checked, not only this rank's).
 EmulationOptions emulationFromEnv(int rank, int worldSize);
 
+/// Whom the items of a per-rank list name. In an elastic job (hddp-run
+/// --nproc-per-node MIN:MAX, which sets HDDP_SLOTS and HDDP_SLOT_COUNT) an item names a
+/// slot, the identity that stays when the group re-forms (rank numbers move when a lower
+/// slot leaves); otherwise it names a rank.
+struct ListMembers {
+  /// Per rank, its slot; empty: items name ranks.
+  std::vector<int> slotOfRank;
+  /// Slots of the job (its MAX ranks).
+  int slotCount = 0;
+  bool bySlot() const { return !slotOfRank.empty(); }
+};
+/// From HDDP_SLOTS (the generation's slots in rank order, "0,2") and HDDP_SLOT_COUNT;
+/// ranks when they are not set. ConfigError when they do not describe `worldSize` ranks.
+ListMembers listMembersFromEnv(int worldSize);
+
 /// Parses a per-rank list, "1:3,2:1.5" (listed ranks) or "2.0" (every rank), for a job of
 /// `worldSize` ranks: one value per rank, `fallback` where not listed. ConfigError naming
 /// `variable` for an item that is not rank:value, a rank outside 0..worldSize-1, a rank
-/// listed twice, or a value that is not a finite number.
+/// listed twice, or a value that is not a finite number. In an elastic job the items
+/// name slots (listMembersFromEnv): a slot outside the job is an error, a slot of the
+/// job that is not in this generation is ignored (logged once).
 std::vector<double> parseRankValues(const std::string& variable, const std::string& text,
                                     int worldSize, double fallback);
 

@@ -4,6 +4,9 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <map>
+#include <set>
+
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 
@@ -109,9 +112,11 @@ void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   state.foundInf = at::zeros({1}, scale_.options());
   // One native call per (device, dtype) group, as PyTorch does.
   std::map<std::pair<std::string, int>, std::vector<at::Tensor>> groups;
+  // A tensor listed twice (tied weights, or in two groups) is unscaled once.
+  std::set<const void*> seen;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
-      if (p.grad().defined()) {
+      if (p.grad().defined() && seen.insert(p.grad().unsafeGetTensorImpl()).second) {
         groups[{p.grad().device().str(), static_cast<int>(p.grad().scalar_type())}].push_back(
             p.mutable_grad());
       }

@@ -26,12 +26,15 @@ void Trainer::Impl::updateTimeBudget() {
   }
   // The slowest rank's clock decides, and every rank derives the same step from the
   // same allreduced numbers.
-  const double elapsed = seconds(fitStart_, Clock::now());
+  // The job's budget: training seconds and steps since it started, earlier generations
+  // of a restarted job included, so the end and the schedule are an undisturbed run's.
+  const double elapsed = budgetSecondsBefore_ + seconds(fitStart_, Clock::now());
   at::Tensor t = at::tensor({elapsed, elapsed - evaluationSeconds_}, at::kDouble).to(device_);
   comm_.allreduce(t, {ReduceOp::Max}).wait();
   t = t.cpu();
   const double elapsedMax = t[0].item<double>();
-  const double perStep = t[1].item<double>() / static_cast<double>(done);
+  const double perStep =
+      t[1].item<double>() / static_cast<double>(std::max<int64_t>(1, step_ - budgetStartStep_));
   const double left = options_.timeBudgetSeconds - elapsedMax;
   const int64_t more = perStep > 0 && left > 0 ? static_cast<int64_t>(left / perStep) : 0;
   const bool first = budgetSteps_ == 0;
@@ -44,9 +47,13 @@ void Trainer::Impl::updateTimeBudget() {
 }
 
 void Trainer::Impl::commit(TrainSummary& summary) {
-  const auto t0 = Clock::now();
   summary.lastStateFile = saveMidEpoch();
   lastSaved_ = step_;
+  agreeAtCommit(summary);
+}
+
+void Trainer::Impl::agreeAtCommit(const TrainSummary& summary) {
+  const auto t0 = lastSaveStart_;
   if (!elastic_.enabled) {
     return;
   }

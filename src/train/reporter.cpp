@@ -160,8 +160,16 @@ void Reporter::summary(const TrainSummary& s, const std::map<std::string, double
   }
   metrics_.write(record);
   std::ostringstream line;
-  line << "done: " << s.steps << " steps in " << s.seconds << " s ("
-       << static_cast<int64_t>(s.samplesPerSecond) << " samples/s)";
+  if (s.totalSteps != s.steps) {
+    // A resumed run or a later generation of an elastic job: the job's step, and apart
+    // what this run trained.
+    line << "done: step " << s.totalSteps << " of the job; this run trained " << s.steps
+         << " steps in " << s.seconds << " s (" << static_cast<int64_t>(s.samplesPerSecond)
+         << " samples/s)";
+  } else {
+    line << "done: " << s.steps << " steps in " << s.seconds << " s ("
+         << static_cast<int64_t>(s.samplesPerSecond) << " samples/s)";
+  }
   progress_->line(line.str());
 }
 

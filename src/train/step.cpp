@@ -25,13 +25,10 @@ double seconds(Trainer::Impl::Clock::time_point a, Trainer::Impl::Clock::time_po
 // False when the step was abandoned (some rank ran out of memory): nothing was
 // applied, and the loader serves the same samples again under the new split.
 bool Trainer::Impl::runStep(const Batch& batch) {
-  const StepInfo info{step_,
-                      epoch_,
-                      batch.stepInEpoch,
-                      batch.stepInEpoch + loader_->stepsLeftInEpoch(),
-                      batch.share.localBatch,
-                      batch.share.globalBatch,
-                      plannedSteps()};
+  const StepInfo info{step_, epoch_, batch.stepInEpoch,
+                      // this batch, the ones before it, and those still to come
+                      batch.stepInEpoch + 1 + loader_->stepsLeftInEpoch(), batch.share.localBatch,
+                      batch.share.globalBatch, plannedSteps()};
   if (schedule_) {
     schedule_(info, optimizer_);
   }
@@ -133,7 +130,8 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
                 batch.share.localBatch);
   if (options_.clipGradNorm > 0) {
     scaler_->unscale(optimizer_);
-    torch::nn::utils::clip_grad_norm_(model_->parameters(), options_.clipGradNorm);
+    // Each tensor once: a tied weight's norm counts once, as in PyTorch.
+    torch::nn::utils::clip_grad_norm_(uniqueParameters(*model_), options_.clipGradNorm);
   }
   const bool stepped = scaler_->step(optimizer_);
   scaler_->update();

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include "hddp/balance/cost_model.h"
@@ -17,6 +18,7 @@
 #include "hddp/core/logging.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
+#include "hddp/train/state_file.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
@@ -29,6 +31,17 @@ Trainer::LossFn crossEntropy(double labelSmoothing) {
   return [options](const at::Tensor& output, const at::Tensor& target) {
     return torch::nn::functional::cross_entropy(output.to(at::kFloat), target, options);
   };
+}
+
+std::vector<at::Tensor> uniqueParameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  std::set<const void*> seen;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) {
+      out.push_back(p);
+    }
+  }
+  return out;
 }
 
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
@@ -92,6 +105,31 @@ int launcherRestartCount() {
   return 0;
 }
 
+// An optimizer that lists one tensor twice (built from parameters() of a model with
+// tied weights) would apply its update twice: refuse it, naming the tensor.
+void checkOptimizerListsEachTensorOnce(torch::optim::Optimizer& optimizer,
+                                       const torch::nn::Module& model) {
+  std::set<const void*> seen;
+  for (auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (seen.insert(p.unsafeGetTensorImpl()).second) {
+        continue;
+      }
+      std::string name = "a parameter";
+      for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+        if (item.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) {
+          name = "parameter '" + item.key() + "'";
+          break;
+        }
+      }
+      HDDP_THROW(ConfigError, "the optimizer lists ", name,
+                 " twice (a weight tied under two names?), so each step would update it "
+                 "twice. Build the optimizer from hddp::uniqueParameters(*model) instead of "
+                 "model->parameters().");
+    }
+  }
+}
+
 }  // namespace
 
 Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model, ForwardFn forward,
@@ -107,7 +145,12 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       timeline_(!options_.timelinePath.empty()) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
+  elastic_ = train::elasticFromEnv();
+  if (elastic_.enabled && options_.saveDir.empty()) {
+    options_.saveDir = elastic_.dir;  // commits go where the launcher says (hddp-run)
+  }
   checkOptions(options_, train.get(), comm);
+  checkOptimizerListsEachTensorOnce(optimizer_, *model_);
   const int rank = comm.rank();
   if (options_.amp == AmpMode::Bf16 &&
       env::resolveBool("HDDP_BF16_FALLBACK", options_.bf16Fallback).value) {
@@ -258,7 +301,7 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
 
 void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
   double bytes = 0.0;
-  for (const auto& p : model_->parameters()) {
+  for (const auto& p : uniqueParameters(*model_)) {
     if (p.requires_grad()) {
       bytes += static_cast<double>(p.numel()) * static_cast<double>(p.element_size());
     }
@@ -314,12 +357,8 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
-  elastic_ = train::elasticFromEnv();
   if (elastic_.enabled) {
     train::watchReformRequests();
-    if (options_.saveDir.empty()) {
-      options_.saveDir = elastic_.dir;  // commits go where the launcher says
-    }
     HDDP_CHECK_AS(ConfigError, !options_.saveDir.empty(),
                   "an elastic job needs a folder for its commits: give saveDir (--save-dir) or "
                   "run under hddp-run, which sets HDDP_ELASTIC_DIR");
@@ -327,17 +366,30 @@ TrainSummary Trainer::Impl::fit() {
   std::string resume = options_.resume;
   const int restarts = launcherRestartCount();
   sampleLog_.open(comm_.rank(), restarts);
-  if (resume.empty() && restarts > 0 && options_.resumeOnRestart && !options_.saveDir.empty()) {
+  // On a restart or re-forming the newest commit of the save folder wins: `resume`
+  // (--resume) only starts a run whose save folder holds no state yet, so work
+  // committed since is never trained again.
+  if (restarts > 0 && options_.resumeOnRestart && !options_.saveDir.empty() &&
+      (resume.empty() || !listStateFiles(options_.saveDir).empty())) {
     HDDP_LOG_SHARED("train", comm_.rank(), "restart ", restarts,
-                    " by the launcher: resuming from the newest state in ", options_.saveDir);
+                    " by the launcher: resuming from the newest state in ", options_.saveDir,
+                    resume.empty() || resume == options_.saveDir
+                        ? std::string()
+                        : " (not from " + resume + ", which only starts a run)");
     resume = options_.saveDir;
   }
   // The last step the previous generation reached, before this one marks any.
   const int64_t reached =
       elastic_.enabled && restarts > 0 ? train::ProgressMark::newest(options_.saveDir) : -1;
+  budgetSteps_ = 0;
+  budgetSecondsBefore_ = 0;
+  budgetStartStep_ = step_;
+  evaluationSeconds_ = 0;
+  carryBudget_ = restarts > 0;  // the same job: its time budget goes on
   if (!resume.empty()) {
     load(resume);
   }
+  carryBudget_ = false;
   if (elastic_.enabled) {
     if (comm_.rank() == 0) {
       jobRecord_.open(elastic_.dir, restarts);
@@ -357,10 +409,10 @@ TrainSummary Trainer::Impl::fit() {
     }
     progressMark_.open(options_.saveDir, elastic_.slot);
   }
-  reporter_ = train::Reporter(options_.metricsPath, comm_.rank(), /*append=*/resumed_,
-                              options_.progress != ProgressMode::Off,
-                              options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO),
-                              options_.logEvery);
+  reporter_ = train::Reporter(
+      options_.metricsPath, comm_.rank(), /*append=*/resumed_ || restarts > 0,
+      options_.progress != ProgressMode::Off,
+      options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
   reporter_.config(runConfig());
   barrier();  // a common time zero for the timeline
   timeline_.setOrigin(Clock::now());
@@ -370,8 +422,6 @@ TrainSummary Trainer::Impl::fit() {
   const int64_t startStep = step_;
   fitStart_ = start;
   fitStartStep_ = step_;
-  budgetSteps_ = 0;
-  evaluationSeconds_ = 0;
   stoppedEarly_ = false;
   int64_t samples = 0;
   bool stopEarly = false;
@@ -381,18 +431,28 @@ TrainSummary Trainer::Impl::fit() {
   while (epoch_ < options_.epochs && !stopEarly) {
     model_->train();
     if (midEpoch_) {
+      // The epoch's sums and steps so far came with the state (load()).
       loader_->resume(samplerState_, currentPlan());
       midEpoch_ = false;
     } else {
       loader_->startEpoch(epoch_, currentPlan());
+      epochLossSum_ = 0;
+      epochSamples_ = 0;
+      epochSteps_ = 0;
     }
-    epochLossSum_ = 0;
-    epochSamples_ = 0;
     const auto epochStart = Clock::now();
-    int64_t epochSteps = 0;
+    int64_t& epochSteps = epochSteps_;
+    bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
+    bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
     for (;;) {
       if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
           (budgetSteps_ > 0 && step_ >= budgetSteps_)) {
+        if (epochSteps > 0 && loader_->stepsLeftInEpoch() == 0) {
+          // The epoch is complete: end it (evaluation, its state) rather than save an
+          // empty remainder that a resume would report and evaluate again.
+          stopAtEpochEnd = true;
+          break;
+        }
         stopEarly = true;
         stoppedEarly_ = true;
         break;
@@ -418,7 +478,11 @@ TrainSummary Trainer::Impl::fit() {
       }
       if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0
                                  : elastic_.enabled && step_ >= nextCommit_) {
-        commit(summary);
+        if (loader_->stepsLeftInEpoch() == 0) {
+          commitAtEpochEnd = true;  // saved once, as the epoch's end, below
+        } else {
+          commit(summary);
+        }
       }
     }
     if (stopEarly) {
@@ -430,6 +494,14 @@ TrainSummary Trainer::Impl::fit() {
     ++epoch_;
     if (!options_.saveDir.empty()) {
       summary.lastStateFile = save();
+      lastSaved_ = step_;
+    }
+    if (commitAtEpochEnd) {
+      agreeAtCommit(summary);
+    }
+    if (stopAtEpochEnd) {
+      stoppedEarly_ = epoch_ < options_.epochs;
+      break;
     }
   }
   if (stopEarly) {
@@ -477,12 +549,28 @@ std::string Trainer::Impl::save() {
   HDDP_CHECK_AS(ConfigError, !options_.saveDir.empty(),
                 "Trainer::save() needs TrainerOptions::saveDir");
   const auto t0 = Clock::now();
+  lastSaveStart_ = t0;
   train::StateMeta meta;
   meta.step = step_;
   meta.epoch = epoch_;
   meta.midEpoch = midEpoch_;
   meta.worldSize = comm_.size();
   meta.globalBatch = options_.globalBatch;
+  if (midEpoch_) {
+    // The epoch's loss so far over every rank's samples (each rank holds its own).
+    at::Tensor sums =
+        at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble).to(device_);
+    comm_.allreduce(sums).wait();
+    sums = sums.cpu();
+    meta.progress.epochLossSum = sums[0].item<double>();
+    meta.progress.epochSamples = static_cast<int64_t>(sums[1].item<double>());
+    meta.progress.epochSteps = epochSteps_;
+  }
+  meta.progress.budgetSeconds =
+      budgetSecondsBefore_ + (fitStart_ == Clock::time_point{} ? 0.0 : seconds(fitStart_, t0));
+  meta.progress.budgetEvaluationSeconds = evaluationSeconds_;
+  meta.progress.budgetStartStep = budgetStartStep_;
+  meta.progress.budgetSteps = budgetSteps_;
   const DistributedSampler::State sampler =
       midEpoch_ ? samplerState_ : DistributedSampler::State{epoch_, 0};
   const std::string path =
@@ -511,6 +599,27 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   midEpoch_ = loaded.meta.midEpoch;
   samplerState_ = loaded.sampler;
   resumed_ = true;
+  const train::StateMeta::Progress& progress = loaded.meta.progress;
+  // The epoch so far: its sums are the whole group's, so one rank carries them.
+  epochLossSum_ = midEpoch_ && comm_.rank() == 0 ? progress.epochLossSum : 0.0;
+  epochSamples_ = midEpoch_ && comm_.rank() == 0 ? progress.epochSamples : 0;
+  epochSteps_ = midEpoch_ ? progress.epochSteps : 0;
+  if (carryBudget_) {
+    // A restart of the same job: the budget and the schedule go on where they were.
+    budgetSecondsBefore_ = progress.budgetSeconds;
+    evaluationSeconds_ = progress.budgetEvaluationSeconds;
+    budgetStartStep_ = progress.budgetStartStep;
+    budgetSteps_ = progress.budgetSteps;
+  } else {
+    budgetSecondsBefore_ = 0;
+    evaluationSeconds_ = 0;
+    budgetStartStep_ = step_;
+    budgetSteps_ = 0;
+  }
+  // Caps given now win over the saved ones (a cap given again at resume replaces a
+  // learned one, also upwards: how a learned cap is raised after a change of card or
+  // model); a saved plan that breaks one is re-solved at once.
+  applyGivenMemoryCaps();
   HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", loaded.path, " at step ", step_,
                   ", epoch ", epoch_,
                   midEpoch_ ? " (mid-epoch, sample " + std::to_string(samplerState_.position) + ")"

@@ -105,7 +105,13 @@ class Trainer::Impl {
   int64_t budgetSteps_ = 0;
   Clock::time_point fitStart_;
   int64_t fitStartStep_ = 0;
-  double evaluationSeconds_ = 0;
+  double evaluationSeconds_ = 0;  // the budget's, the job's (carried by a restart)
+  // The budget's training seconds before this fit() (carried by a restart), and the
+  // step it started at.
+  double budgetSecondsBefore_ = 0;
+  int64_t budgetStartStep_ = 0;
+  bool carryBudget_ = false;  // load() takes the saved budget (a launcher's restart)
+  int64_t epochSteps_ = 0;    // steps of the epoch in progress (carried mid-epoch)
   /// Steps planned in all (StepInfo::totalSteps).
   int64_t plannedSteps() const;
   nlohmann::json runConfig() const;
@@ -114,6 +120,7 @@ class Trainer::Impl {
   bool midEpoch_ = false;
   bool resumed_ = false;
   int64_t lastSaved_ = -1;
+  Clock::time_point lastSaveStart_{};  // when the last state file's save began
   int64_t repeatedSteps_ = 0;
   DistributedSampler::State samplerState_;
   at::Tensor stepLoss_;   // this step's loss (undefined without samples)
@@ -140,6 +147,9 @@ class Trainer::Impl {
   /// A commit: the state file, then (elastic) the ranks agree on a re-form request and
   /// on the next commit step; leaves the process with kReformExitCode on a request.
   void commit(TrainSummary& summary);
+  /// The elastic part of a commit whose state file is written (re-form request, next
+  /// commit step); nothing without elastic membership.
+  void agreeAtCommit(const TrainSummary& summary);
 };
 
 }  // namespace hddp

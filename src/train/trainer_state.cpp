@@ -179,31 +179,36 @@ void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* pla
 std::string chooseStateFile(Communicator& comm, const std::string& fileOrDirectory) {
   std::string chosen;
   std::string problem;
-  if (comm.rank() == 0) {
-    std::error_code ec;
-    const bool exists = std::filesystem::exists(fileOrDirectory, ec);
-    const bool isFile = std::filesystem::path(fileOrDirectory).extension() == ".hddp";
-    if (!exists && !isFile) {
-      chosen.clear();  // a save folder not made yet: nothing to resume, start fresh
-    } else if (std::filesystem::is_directory(fileOrDirectory, ec)) {
-      auto files = listStateFiles(fileOrDirectory);
-      for (auto it = files.rbegin(); it != files.rend() && chosen.empty(); ++it) {
-        try {
-          readStateFile(*it);
-          chosen = *it;
-        } catch (const StateError& e) {
-          HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
+  if (comm.rank() == 0) try {
+      std::error_code ec;
+      const bool exists = std::filesystem::exists(fileOrDirectory, ec);
+      const bool isFile = std::filesystem::path(fileOrDirectory).extension() == ".hddp";
+      if (!exists && !isFile) {
+        chosen.clear();  // a save folder not made yet: nothing to resume, start fresh
+      } else if (std::filesystem::is_directory(fileOrDirectory, ec)) {
+        auto files = listStateFiles(fileOrDirectory);
+        for (auto it = files.rbegin(); it != files.rend() && chosen.empty(); ++it) {
+          try {
+            readStateFile(*it);
+            chosen = *it;
+          } catch (const StateError& e) {
+            HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
+          }
         }
+        if (chosen.empty() && !files.empty()) {
+          problem = "none of the " + std::to_string(files.size()) +
+                    " state files (state-NNNNNNNN.hddp) in " + fileOrDirectory +
+                    " is valid (see the warnings above); move them away to start fresh";
+        }
+      } else {
+        chosen = fileOrDirectory;
       }
-      if (chosen.empty() && !files.empty()) {
-        problem = "none of the " + std::to_string(files.size()) +
-                  " state files (state-NNNNNNNN.hddp) in " + fileOrDirectory +
-                  " is valid (see the warnings above); move them away to start fresh";
-      }
-    } else {
-      chosen = fileOrDirectory;
+    } catch (const c10::Error& e) {
+      // Rank 0's error (a file name it cannot read, ...) reaches every rank through the
+      // exchange below, so none waits for the others until a timeout.
+      chosen.clear();
+      problem = e.what_without_backtrace();
     }
-  }
   const std::string mine = problem.empty() ? chosen : "!" + problem;
   const auto all = comm.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
   const std::string decided(all[0].begin(), all[0].end());
@@ -257,6 +262,14 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
   }
   OutputArchive archive;
   archive.write("meta", encode(meta));
+  const StateMeta::Progress& g = meta.progress;
+  archive.write("progress",
+                at::tensor(std::vector<double>{g.epochLossSum, static_cast<double>(g.epochSamples),
+                                               static_cast<double>(g.epochSteps), g.budgetSeconds,
+                                               g.budgetEvaluationSeconds,
+                                               static_cast<double>(g.budgetStartStep),
+                                               static_cast<double>(g.budgetSteps)},
+                           at::kDouble));
   // Flat, by name: loading copies into the parameters (Module::load would replace
   // them, which detaches DDP's gradient hooks).
   for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
@@ -308,6 +321,19 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   InputArchive archive;
   archive.load_from(payload.data(), payload.size());
   loaded.meta = decode(readTensor(archive, "meta", path), path);
+  at::Tensor progress;
+  if (archive.try_read("progress", progress) && progress.numel() == 7) {
+    const at::Tensor p = progress.to(at::kDouble).contiguous();
+    const double* v = p.data_ptr<double>();
+    StateMeta::Progress& g = loaded.meta.progress;
+    g.epochLossSum = v[0];
+    g.epochSamples = static_cast<int64_t>(v[1]);
+    g.epochSteps = static_cast<int64_t>(v[2]);
+    g.budgetSeconds = v[3];
+    g.budgetEvaluationSeconds = v[4];
+    g.budgetStartStep = static_cast<int64_t>(v[5]);
+    g.budgetSteps = static_cast<int64_t>(v[6]);
+  }
   const StateMeta& meta = loaded.meta;
   HDDP_CHECK_AS(StateError, meta.globalBatch == globalBatch, "state file ", path,
                 " was saved with global batch ", meta.globalBatch, "; this job uses ", globalBatch,

@@ -4,6 +4,9 @@
 // A state file is a LibTorch archive:
 //   meta            StateMeta as int64 [version, step, epoch, midEpoch, worldSize,
 //                   globalBatch]
+//   progress        StateMeta::Progress as float64 [epochLossSum, epochSamples,
+//                   epochSteps, budgetSeconds, budgetEvaluationSeconds,
+//                   budgetStartStep, budgetSteps] (optional: zeros when absent)
 //   model.<name>    every parameter, buffer.<name> every buffer (copied into the
 //                   module on load, so DDP's gradient hooks stay in place)
 //   optimizer       the optimizer's own archive
@@ -48,6 +51,21 @@ struct StateMeta {
   bool midEpoch = false;
   int64_t worldSize = 0;
   int64_t globalBatch = 0;
+  /// The run between steps (the "progress" entry; absent in older files: zeros).
+  struct Progress {
+    /// The epoch so far, over every rank's samples (zeros at an epoch's boundary).
+    double epochLossSum = 0;
+    int64_t epochSamples = 0;
+    int64_t epochSteps = 0;
+    /// The time budget's account, the job's across restarts and re-formings: training
+    /// seconds up to this state (each generation's fit(), re-forming not counted), of
+    /// them in evaluations, the step the budget started at and the step at which it
+    /// ends the run (0: not measured yet).
+    double budgetSeconds = 0;
+    double budgetEvaluationSeconds = 0;
+    int64_t budgetStartStep = 0;
+    int64_t budgetSteps = 0;
+  } progress;
 };
 
 /// The Trainer's parts a state file holds (planner: null with the equal split).

@@ -51,6 +51,19 @@ TEST(GradScaler, UnscaledGradientsEqualPlainGradients) {
   EXPECT_EQ(scaler.growthTracker(), 1);
 }
 
+// A tensor listed twice (a tied weight: parameters() lists it once per name) is
+// unscaled once, as PyTorch's GradScaler does.
+TEST(GradScaler, ATensorListedTwiceIsUnscaledOnce) {
+  hddp::GradScalerOptions o;
+  o.initScale = 8;
+  hddp::GradScaler scaler(o);
+  auto w = torch::ones({3}, torch::requires_grad());
+  torch::optim::SGD opt({w, w}, 0.1);
+  scaler.scale((w * 2).sum()).backward();  // gradient 2 x 8
+  scaler.unscale(opt);
+  EXPECT_TRUE(torch::allclose(w.grad(), torch::full({3}, 2.0))) << w.grad();
+}
+
 TEST(GradScaler, GrowsAfterTheIntervalAndBacksOffOnInf) {
   hddp::GradScalerOptions o;
   o.initScale = 8;

@@ -116,6 +116,9 @@ TEST(ExampleTrainers, ResnetOneRankLearnsAndReportsAccuracy) {
   EXPECT_GT(summary["test_acc"].get<double>(), 0.2) << r.output;  // 10 classes: chance 0.1
   EXPECT_NE(r.output.find("test accuracy"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("test_acc"), std::string::npos) << "per-epoch line\n" << r.output;
+  // 192 samples in steps of 32: the progress counts 6 of 6, never past its end (6/5).
+  EXPECT_NE(r.output.find("step 6/6 "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 6/5 "), std::string::npos) << r.output;
 }
 
 TEST(ExampleTrainers, ResnetTwoRanksBf16CheckpointedLearns) {
@@ -131,6 +134,52 @@ TEST(ExampleTrainers, ResnetMaxStepsEndsWithAnEvaluation) {
   ASSERT_EQ(evals.size(), 1u) << r.output;
   EXPECT_EQ(evals[0]["step"].get<int64_t>(), 4);
   EXPECT_TRUE(ofKind(r, "summary").at(0).contains("test_acc")) << r.output;
+}
+
+// BatchNorm's running statistics come from the ranks that trained: with one rank so
+// slow that it gets no samples, the evaluation (eval-mode BatchNorm) is the same
+// whichever rank is the slow one. Rank 0's broadcast gave everyone the zero-share rank's
+// initial statistics when rank 0 was slow (test accuracy at chance, loss in the
+// thousands), and the right ones when rank 1 was.
+TEST(ExampleTrainers, EvaluationDoesNotDependOnWhichRankIsSlow) {
+  const std::string args =
+      "--model resnet20 --dataset synthetic --image-size 16 --limit-train 384 --limit-test 192 "
+      "--global-batch 32 --epochs 2 --lr 0.05 --workers 0";
+  std::vector<nlohmann::json> summaries;
+  for (const char* slow : {"0:300", "1:300"}) {
+    auto r = runTrainer(kResnet, args + " --emulate-slowdown " + slow, 2);
+    ASSERT_EQ(r.status, 0) << r.output;
+    summaries.push_back(ofKind(r, "summary").at(0));
+    ASSERT_TRUE(summaries.back().contains("test_acc")) << r.output;
+  }
+  const double acc0 = summaries[0]["test_acc"].get<double>();
+  const double acc1 = summaries[1]["test_acc"].get<double>();
+  const double loss0 = summaries[0]["test_loss"].get<double>();
+  const double loss1 = summaries[1]["test_loss"].get<double>();
+  EXPECT_NEAR(acc0, acc1, 0.011) << summaries[0] << "\n" << summaries[1];
+  EXPECT_NEAR(loss0, loss1, 0.05 * std::max(loss0, loss1)) << summaries[0] << "\n" << summaries[1];
+  EXPECT_GT(acc0, 0.2) << summaries[0];
+}
+
+// Under hddp-run's elastic mode, --save-every without --save-dir commits to the job's
+// folder, as hddp-run says ("commits in DIR unless the program saves elsewhere").
+TEST(ExampleTrainers, SaveEveryUnderAnElasticJobCommitsToTheJobFolder) {
+  const std::string dir = hddp::testing::makeTempDir();
+  auto r = hddp::testing::runCommand("HDDP_DEVICE=cpu " + hddp::testing::toolsDir() +
+                                     "/hddp-run --nproc-per-node 1:2 --job-dir " + dir +
+                                     "/job -- " + kResnet + " " + kTinyResnet +
+                                     " --threads 1 --progress off --max-steps 4 --save-every 2");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir + "/job/state-00000004.hddp")) << r.output;
+  // Resumed, the closing line says the job's step and, apart, what this run trained.
+  auto again = hddp::testing::runCommand("HDDP_DEVICE=cpu " + kResnet + " " + kTinyResnet +
+                                         " --threads 1 --progress lines --max-steps 6 --resume " +
+                                         dir + "/job");
+  ASSERT_EQ(again.exitCode, 0) << again.output;
+  EXPECT_NE(again.output.find("done: step 6 of the job; this run trained 2 steps"),
+            std::string::npos)
+      << again.output;
+  removeTree(dir);
 }
 
 TEST(ExampleTrainers, ResnetOnFashionMnistWhenInstalled) {

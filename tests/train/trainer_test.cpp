@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -20,6 +21,7 @@
 
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 #include "hddp/data/datasets.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/state_file.h"
@@ -424,6 +426,75 @@ TEST(Trainer, AnEmptyOrMissingFolderStartsFreshAndARestartResumesByItself) {
   });
 }
 
+// On a restart or re-forming, the newest commit in the save folder wins over the
+// resume argument (`--resume pre`), which only starts a run whose save folder has none:
+// resuming from `pre` again would train the committed steps a second time.
+TEST(Trainer, ARestartResumesFromTheNewestCommitNotFromTheResumeArgument) {
+  const std::string dir = hddp::testing::makeTempDir();
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.saveDir = dir + "/pre";
+      o.maxSteps = 2;
+    });
+  });
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {  // the first start: from pre
+    auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.resume = dir + "/pre";
+      o.saveDir = dir + "/run";
+      o.saveEvery = 2;
+      o.maxSteps = 6;
+    });
+    EXPECT_EQ(s.steps, 4);
+  });
+  setenv("TORCHELASTIC_RESTART_COUNT", "1", 1);
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {  // the restart: from step 6
+    auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.resume = dir + "/pre";
+      o.saveDir = dir + "/run";
+      o.saveEvery = 2;
+      o.maxSteps = 8;
+    });
+    EXPECT_EQ(s.steps, 2) << "resumed from step " << s.totalSteps - s.steps;
+    EXPECT_EQ(s.totalSteps, 8);
+  });
+  // A restart whose save folder has no commit yet starts from the resume argument.
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.resume = dir + "/pre";
+      o.saveDir = dir + "/fresh";
+      o.maxSteps = 4;
+    });
+    EXPECT_EQ(s.steps, 2);
+  });
+  unsetenv("TORCHELASTIC_RESTART_COUNT");
+}
+
+// A folder holding a file rank 0 cannot read (a step number too long for int64) is an
+// error on every rank at once, not on rank 0 alone while the others wait for it.
+TEST(Trainer, AStateFolderRankZeroCannotReadFailsEveryRankAtOnce) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::ofstream(dir + "/state-123456789012345678901234567890.hddp") << "x";
+  std::vector<std::string> messages(2);
+  const auto start = std::chrono::steady_clock::now();
+  runThreads(
+      2,
+      [&](int rank, int size, hddp::Store& store) {
+        try {
+          trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.resume = dir; });
+        } catch (const c10::Error& e) {
+          messages[rank] = e.what_without_backtrace();
+        }
+      },
+      std::chrono::seconds(20));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(messages[rank].find("123456789012345678901234567890"), std::string::npos)
+        << "rank " << rank << ": " << messages[rank];
+  }
+  EXPECT_LT(seconds, 10.0);
+}
+
 TEST(Trainer, CrossEntropyWithLabelSmoothingIsItsFormula) {
   torch::manual_seed(5);
   const auto logits = torch::randn({6, 5});
@@ -818,4 +889,254 @@ TEST(Trainer, RefusesBadOptions) {
   });
   EXPECT_THROW(hddp::parseAmpMode("fp8"), hddp::ConfigError);
   EXPECT_EQ(hddp::parseAmpMode("bf16"), hddp::AmpMode::Bf16);
+}
+
+namespace {
+
+// A linear classifier whose weight is also registered under a second name when `tie`
+// is set: LibTorch's parameters() then lists that tensor twice.
+struct TiedNetImpl : torch::nn::Module {
+  explicit TiedNetImpl(bool tie) {
+    fc = register_module("fc", torch::nn::Linear(64, 4));
+    if (tie) {
+      register_parameter("alias", fc->weight);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x.flatten(1)); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(TiedNet);
+
+}  // namespace
+
+// Gradient clipping counts a tied weight once (PyTorch de-duplicates; a weight counted
+// twice inflates the norm and shrinks the clipped step): one step with clipping on the
+// tied model equals the same model with the weight registered once. An optimizer
+// built from parameters() of the tied model, which would step the weight twice, is
+// refused with the fix in the message.
+TEST(Trainer, ClippingCountsATiedWeightOnceAndAnOptimizerListingItTwiceIsRefused) {
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(48, 1, 8, 4, /*seed=*/1);
+    hddp::TrainerOptions o;
+    o.globalBatch = 24;
+    o.maxSteps = 1;
+    o.balance = false;
+    o.clipGradNorm = 0.05;  // well under the gradient's norm: clipping acts
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 0;
+    auto train = [&](bool tie) {
+      torch::manual_seed(11);
+      TiedNet model(tie);
+      torch::optim::SGD opt(hddp::uniqueParameters(*model), torch::optim::SGDOptions(1.0));
+      hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
+                            ds, o);
+      trainer.fit();
+      return model->fc->weight.detach().clone();
+    };
+    const auto once = train(false);
+    const auto tied = train(true);
+    EXPECT_TRUE(torch::allclose(once, tied, 1e-6, 1e-7))
+        << "max diff " << (once - tied).abs().max().item<double>();
+    torch::manual_seed(11);
+    TiedNet model(true);
+    torch::optim::SGD twice(model->parameters(), torch::optim::SGDOptions(1.0));
+    try {
+      hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), twice,
+                            ds, o);
+      ADD_FAILURE() << "an optimizer listing a tied weight twice was accepted";
+    } catch (const hddp::ConfigError& e) {
+      const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("uniqueParameters"), std::string::npos) << message;
+      EXPECT_NE(message.find("'alias'"), std::string::npos) << message;
+    }
+  });
+}
+
+// A memory cap given at resume (--max-local-batch) wins over the saved state, and the
+// saved plan that breaks it is re-solved at once (the restore used to put the saved
+// caps back, and rank 1 trained on 12 samples with a cap of 8 given).
+TEST(Trainer, CapsGivenAtResumeWinOverTheSavedOnes) {
+  const std::string dir = hddp::testing::makeTempDir();
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.balance = true;
+      o.epochs = 10;
+      o.maxSteps = 12;
+      o.saveDir = dir;
+    });
+  });
+  std::vector<std::vector<int64_t>> plans(2), caps(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model;
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+    hddp::TrainerOptions o;
+    o.globalBatch = 24;
+    o.epochs = 10;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 0;
+    o.maxLocalBatch = {0, 8};
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(80, 1, 8, 4, /*seed=*/1);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    trainer.load(dir);
+    plans[rank] = trainer.planner()->plan().local;
+    caps[rank] = trainer.planner()->memoryCaps();
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(plans[r].size(), 2u);
+    EXPECT_LE(plans[r][1], 8) << "rank " << r;
+    EXPECT_EQ(plans[r][0] + plans[r][1], 24);
+    EXPECT_EQ(caps[r][1], 8) << "rank " << r;
+  }
+}
+
+// A resume reports the epoch it continues as a whole: its training loss is over all
+// its steps, those before the save included (the state carries the epoch's sums), and
+// a run that stops at an epoch's last step ends that epoch (evaluation, state at the
+// boundary), so the resumed run neither reports an empty epoch nor evaluates it again.
+TEST(Trainer, AResumedEpochReportsAllItsStepsAndAnEndedEpochIsNotRepeated) {
+  const std::string dir = hddp::testing::makeTempDir();
+  hddp::TrainSummary straight, resumed, second;
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    straight = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.epochs = 2; });
+    // Mid-epoch: 80 samples in steps of 24 are 4 steps per epoch; stop after 1.
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 1;
+      o.maxSteps = 1;
+      o.saveDir = dir + "/mid";
+    });
+    resumed = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 1;
+      o.resume = dir + "/mid";
+    });
+    // At the epoch's last step: the epoch ends there, and the resumed run trains epoch 2.
+    const auto first = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 2;
+      o.maxSteps = 4;
+      o.saveDir = dir + "/end";
+    });
+    EXPECT_EQ(first.epochsCompleted, 1);
+    second = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 2;
+      o.resume = dir + "/end";
+    });
+  });
+  EXPECT_EQ(resumed.steps, 3);
+  EXPECT_NE(resumed.lastTrainLoss, 0.0);
+  // Epoch 1's loss of the straight run is not known from its summary (it reports the
+  // last epoch); the one-epoch resumed run must match a one-epoch straight run.
+  hddp::TrainSummary oneEpoch;
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    oneEpoch = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) { o.epochs = 1; });
+  });
+  EXPECT_NEAR(resumed.lastTrainLoss, oneEpoch.lastTrainLoss,
+              1e-5 * std::abs(oneEpoch.lastTrainLoss));
+  EXPECT_EQ(second.epochsCompleted, 1) << "an empty epoch 1 was reported again";
+  EXPECT_EQ(second.steps, 4);
+  EXPECT_NEAR(second.lastTrainLoss, straight.lastTrainLoss,
+              1e-5 * std::abs(straight.lastTrainLoss));
+}
+
+// The time budget is the job's: a restart (TORCHELASTIC_RESTART_COUNT > 0) resumes its
+// account from the state, so the planned total (the schedule's totalSteps) does not
+// fall back to epochs x steps and the run does not get a whole new budget.
+TEST(Trainer, ARestartKeepsTheJobsTimeBudgetAndItsSchedule) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::vector<int64_t> before, after;
+  hddp::TrainSummary summary;
+  auto run = [&](std::vector<int64_t>& totals, int64_t crashAt) {
+    runThreads(1, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      torch::manual_seed(3);
+      Net model;
+      torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+      hddp::TrainerOptions o;
+      o.globalBatch = 24;
+      o.epochs = 1000;
+      o.balance = false;
+      o.progress = hddp::ProgressMode::Off;
+      o.loader.workers = 0;
+      o.timeBudgetSeconds = 3.0;
+      o.saveDir = dir;
+      o.saveEvery = 5;
+      auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(80, 1, 8, 4, /*seed=*/1);
+      auto forward = [model](const torch::Tensor& x) mutable {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return model->forward(x);
+      };
+      hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
+      trainer.setSchedule([&](const hddp::StepInfo& info, torch::optim::Optimizer&) {
+        if (info.step == crashAt) {
+          throw std::runtime_error("test: the rank dies");
+        }
+        totals.push_back(info.totalSteps);
+      });
+      try {
+        summary = trainer.fit();
+      } catch (const std::runtime_error&) {
+      }
+    });
+  };
+  run(before, 32);  // commits at 30, dies in step 33
+  setenv("TORCHELASTIC_RESTART_COUNT", "1", 1);
+  run(after, -1);
+  unsetenv("TORCHELASTIC_RESTART_COUNT");
+  ASSERT_EQ(before.size(), 32u);
+  ASSERT_FALSE(after.empty());
+  const double planned = static_cast<double>(before.back());
+  EXPECT_LT(planned, 1000.0) << "the budget was not measured in the first run";
+  EXPECT_NEAR(static_cast<double>(after.front()), planned, 0.15 * planned)
+      << "the restart planned " << after.front() << " steps, the first run " << planned;
+  EXPECT_NEAR(static_cast<double>(summary.totalSteps), planned, 0.3 * planned);
+}
+
+// A commit due at the epoch's last step (--save-every 4 with 4 steps per epoch) is
+// saved once, as the epoch's end, not once as a commit and again at the epoch's end.
+// And a restart of a job appends to its metrics file, also when it found no commit.
+TEST(Trainer, ACommitAtTheEpochsEndIsSavedOnceAndARestartAppendsToTheMetrics) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::mutex mu;
+  std::vector<std::string> saved;
+  const hddp::log::Level level = hddp::log::level();
+  hddp::log::setLevel(hddp::log::Level::Info);
+  hddp::log::setLineHandler([&](hddp::log::Level, const std::string& line) {
+    if (line.find("saved step") != std::string::npos) {
+      std::lock_guard<std::mutex> lock(mu);
+      saved.push_back(line);
+    }
+  });
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 1;
+      o.saveEvery = 4;  // 80 samples in steps of 24: 4 steps, the last one of 8
+      o.saveDir = dir + "/state";
+      o.metricsPath = dir + "/metrics.jsonl";
+    });
+  });
+  hddp::log::setLineHandler(nullptr);
+  hddp::log::setLevel(level);
+  EXPECT_EQ(saved.size(), 1u) << (saved.empty() ? std::string() : saved.back());
+  auto lines = [&] {
+    std::ifstream in(dir + "/metrics.jsonl");
+    int n = 0;
+    for (std::string line; std::getline(in, line);) {
+      n += line.empty() ? 0 : 1;
+    }
+    return n;
+  };
+  const int first = lines();
+  ASSERT_GT(first, 0);
+  setenv("TORCHELASTIC_RESTART_COUNT", "1", 1);
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      o.epochs = 1;
+      o.maxSteps = 2;
+      o.saveDir = dir + "/no-commits-yet";
+      o.metricsPath = dir + "/metrics.jsonl";
+    });
+  });
+  unsetenv("TORCHELASTIC_RESTART_COUNT");
+  EXPECT_GT(lines(), first) << "the restart truncated the job's metrics file";
 }

@@ -38,6 +38,9 @@
 #include "hddp/ddp/distributed_data_parallel.h"
 
 namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
 namespace optim {
 class Optimizer;
 }  // namespace optim
@@ -241,6 +244,12 @@ Trainer::ForwardFn forwardOf(Holder holder) {
 /// target with the uniform distribution (Szegedy et al. 2016); still a mean over
 /// samples, so the weighted gradients stay exact.
 Trainer::LossFn crossEntropy(double labelSmoothing = 0.0);
+
+/// The module's parameters with each tensor once: LibTorch's `parameters()` lists a
+/// tied tensor (one weight registered under two names) once per name, so an optimizer
+/// built from it steps that tensor twice and a norm counts it twice. Build optimizers
+/// from this. Order: first appearance in `parameters()`.
+std::vector<at::Tensor> uniqueParameters(const torch::nn::Module& module);
 
 /// Sets every parameter group's learning rate (SGD, Adam, AdamW, RMSprop, Adagrad).
 void setLearningRate(torch::optim::Optimizer& optimizer, double lr);

@@ -18,6 +18,11 @@ cd "$(dirname "$0")/.."
 source scripts/lib/main-plan.sh
 export HDDP_PYTHON=${HDDP_PYTHON:-$(scripts/setup.sh)}
 BUILD=$(scripts/build.sh)
+for arg in "$@"; do  # the trainer's help once, not once per rank
+  if [ "$arg" = --help ] || [ "$arg" = -h ]; then
+    exec "$BUILD/examples/resnet/train_resnet" --help
+  fi
+done
 start=$(date +%s)
 gpus=$(main_gpu_count)
 launch=$(main_launch_args "$gpus")

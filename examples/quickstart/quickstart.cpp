@@ -6,7 +6,7 @@
 #include <chrono>
 #include <cstdio>
 
-int main() {
+int main() try {
   auto ctx = hddp::initFromEnv();  // torchrun, Slurm, Open MPI or hddp-run conventions
   torch::manual_seed(0);           // the same initial weights and task on every rank
   torch::nn::Sequential model(torch::nn::Linear(32, 64), torch::nn::ReLU(),
@@ -38,4 +38,10 @@ int main() {
   std::printf("rank %d: split %s, loss %.3f -> %.3f\n", ctx.rank(),
               planner.plan().describe().c_str(), first, last);
   return last < first ? 0 : 1;
+} catch (const hddp::ConfigError& e) {  // a bad device or launch variable: what to change
+  std::fprintf(stderr, "quickstart: %s\n", e.what_without_backtrace());
+  return 2;
+} catch (const c10::Error& e) {  // every hddp and LibTorch error
+  std::fprintf(stderr, "quickstart: %s\n", e.what_without_backtrace());
+  return 1;
 }

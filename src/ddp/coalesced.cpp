@@ -34,29 +34,33 @@ void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tenso
 
 void averageCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors, double weight) {
   c10::NoGradGuard noGrad;
-  // Rank 0 adds 2^-40 to its weight: where every rank has weight 0 the mean is rank 0's
-  // values exactly (x * 2^-40 / 2^-40 is exact in float64), otherwise it shifts the
-  // mean by about 1e-12 of it, below float32's resolution. No branch on a value read
-  // back from the device.
-  const double kTieBreak = 1.0 / static_cast<double>(int64_t{1} << 40);
-  const double w = weight + (comm.rank() == 0 ? kTieBreak : 0.0);
   std::map<std::string, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) {
     if (t.defined() && t.numel() > 0) {
       groups[t.device().str()].push_back(t);
     }
   }
+  bool noWeight = false;
   for (auto& entry : groups) {
     auto& group = entry.second;
     std::vector<at::Tensor> flat;
     for (const auto& t : group) {
-      flat.push_back(t.detach().reshape({-1}).to(at::kDouble).mul(w));
+      // A rank with weight 0 sends zeros, not 0 x its values: an inf or NaN that a rank
+      // without samples holds must not reach the others.
+      flat.push_back(weight > 0 ? t.detach().reshape({-1}).to(at::kDouble).mul(weight)
+                                : at::zeros({t.numel()}, t.options().dtype(at::kDouble)));
     }
-    flat.push_back(at::full({1}, w, group.front().options().dtype(at::kDouble)));
+    flat.push_back(at::full({1}, weight, group.front().options().dtype(at::kDouble)));
     at::Tensor buffer = at::cat(flat);
     comm.allreduce(buffer).wait();
+    comm.synchronize();  // the total weight is read on the host next
     const int64_t n = buffer.numel();
-    at::Tensor mean = buffer.narrow(0, 0, n - 1).div(buffer.narrow(0, n - 1, 1));
+    const double total = buffer[n - 1].item<double>();  // the same on every rank
+    if (!(total > 0)) {
+      noWeight = true;
+      continue;
+    }
+    at::Tensor mean = buffer.narrow(0, 0, n - 1).div(total);
     int64_t offset = 0;
     for (auto& t : group) {
       at::Tensor part = mean.narrow(0, offset, t.numel()).view(t.sizes());
@@ -66,6 +70,9 @@ void averageCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors
       t.detach().copy_(part);
       offset += t.numel();
     }
+  }
+  if (noWeight) {
+    broadcastCoalesced(comm, tensors, 0);  // no rank had samples: rank 0's values
   }
 }
 

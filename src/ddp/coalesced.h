@@ -15,9 +15,11 @@ void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tenso
 /// Sets every tensor to the weighted mean over ranks, sum_r w_r x_r / sum_r w_r, with
 /// `weight` this rank's w_r (its samples since the last synchronisation): the ranks
 /// that computed the values set them, and a rank with weight 0 (no samples) sets
-/// nothing. Where every rank has weight 0, rank 0's values win, as a broadcast. The
-/// mean is taken in float64; integer and bool tensors are rounded to the nearest.
-/// One allreduce per device; blocks until done. The tensors must be on one device
+/// nothing (it sends zeros, so an inf it holds reaches nobody). Where every rank has
+/// weight 0, rank 0's values win, as a broadcast. The mean is taken in float64; integer
+/// and bool tensors are rounded to the nearest. One allreduce per device (and a
+/// broadcast where no rank had weight); blocks until done, reading the total weight on
+/// the host. The tensors must be on one device
 /// per group, the communicator's or one it can stage.
 void averageCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors, double weight);
 

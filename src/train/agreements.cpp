@@ -31,6 +31,7 @@ void Trainer::Impl::updateTimeBudget() {
   const double elapsed = budgetSecondsBefore_ + seconds(fitStart_, Clock::now());
   at::Tensor t = at::tensor({elapsed, elapsed - evaluationSeconds_}, at::kDouble).to(device_);
   comm_.allreduce(t, {ReduceOp::Max}).wait();
+  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   t = t.cpu();
   const double elapsedMax = t[0].item<double>();
   const double perStep =
@@ -67,6 +68,7 @@ void Trainer::Impl::agreeAtCommit(const TrainSummary& summary) {
   at::Tensor t =
       at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(device_);
   comm_.allreduce(t, {ReduceOp::Max}).wait();
+  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   t = t.cpu();
   const int64_t every = train::commitInterval(t[1].item<double>(), t[2].item<double>());
   if (every != commitEvery_) {

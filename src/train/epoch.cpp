@@ -73,6 +73,7 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   at::Tensor sums =
       at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble).to(device_);
   comm_.allreduce(sums).wait();
+  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   sums = sums.cpu();
   train::EpochReport r;
   r.samples = sums[1].item<double>();

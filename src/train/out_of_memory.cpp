@@ -50,6 +50,12 @@ OutOfMemoryRecovery recoverFromOutOfMemory(Communicator& comm, BatchPlanner* pla
                "activation checkpointing, or turn balancing on so the planner gives that rank "
                "fewer samples.");
     const int64_t floorShare = std::max<int64_t>(1, minLocalBatch);
+    if (minLocalBatch == 0 && f.localBatch <= 1) {
+      // Not even one sample fits (a rank probed at 1 sample, or a card too small for
+      // the model): it trains on nothing from now on; the others take its share.
+      planner->setMemoryCap(f.rank, 0);
+      continue;
+    }
     HDDP_CHECK(f.localBatch > floorShare, "rank ", f.rank, " ran out of memory with ", f.localBatch,
                " sample(s) in its step: the model does not fit on that device even at the "
                "smallest share. Use mixed precision or activation checkpointing, or leave the "

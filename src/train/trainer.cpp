@@ -385,11 +385,21 @@ TrainSummary Trainer::Impl::fit() {
   budgetSecondsBefore_ = 0;
   budgetStartStep_ = step_;
   evaluationSeconds_ = 0;
-  carryBudget_ = restarts > 0;  // the same job: its time budget goes on
+  // The same job's own commit: its time budget goes on (not a --resume of another run).
+  carryBudget_ = restarts > 0 && options_.timeBudgetSeconds > 0 && resume == options_.saveDir;
+  restarted_ = restarts > 0;
   if (!resume.empty()) {
     load(resume);
   }
   carryBudget_ = false;
+  restarted_ = false;
+  if (restarts == 0 && !resume.empty() && resume != options_.saveDir && !options_.saveDir.empty() &&
+      !listStateFiles(options_.saveDir).empty()) {
+    HDDP_LOG_WARN("train", "the save folder ", options_.saveDir,
+                  " already holds state files; this run starts from ", resume,
+                  ", but a restart by the launcher resumes from the newest file there: move "
+                  "older files away if they belong to another attempt");
+  }
   if (elastic_.enabled) {
     if (comm_.rank() == 0) {
       jobRecord_.open(elastic_.dir, restarts);
@@ -490,6 +500,9 @@ TrainSummary Trainer::Impl::fit() {
       midEpoch_ = true;  // a resume continues inside this epoch
       break;
     }
+    if (stopAtEpochEnd) {
+      stoppedEarly_ = epoch_ + 1 < options_.epochs;  // the evaluation knows it is the last
+    }
     endEpoch(epochStart, epochSteps, summary);
     ++epoch_;
     if (!options_.saveDir.empty()) {
@@ -500,7 +513,6 @@ TrainSummary Trainer::Impl::fit() {
       agreeAtCommit(summary);
     }
     if (stopAtEpochEnd) {
-      stoppedEarly_ = epoch_ < options_.epochs;
       break;
     }
   }
@@ -537,6 +549,7 @@ TrainSummary Trainer::Impl::fit() {
 void Trainer::Impl::barrier() {
   at::Tensor t = at::zeros({1}, at::TensorOptions().device(device_));
   comm_.allreduce(t).wait();
+  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
 }
 
 // ---- state files (train/trainer_state.h) ----------------------------------------------
@@ -561,6 +574,7 @@ std::string Trainer::Impl::save() {
     at::Tensor sums =
         at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble).to(device_);
     comm_.allreduce(sums).wait();
+    comm_.synchronize();  // the host reads it next (Communicator::synchronize)
     sums = sums.cpu();
     meta.progress.epochLossSum = sums[0].item<double>();
     meta.progress.epochSamples = static_cast<int64_t>(sums[1].item<double>());
@@ -604,7 +618,7 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   epochLossSum_ = midEpoch_ && comm_.rank() == 0 ? progress.epochLossSum : 0.0;
   epochSamples_ = midEpoch_ && comm_.rank() == 0 ? progress.epochSamples : 0;
   epochSteps_ = midEpoch_ ? progress.epochSteps : 0;
-  if (carryBudget_) {
+  if (carryBudget_ && progress.present) {
     // A restart of the same job: the budget and the schedule go on where they were.
     budgetSecondsBefore_ = progress.budgetSeconds;
     evaluationSeconds_ = progress.budgetEvaluationSeconds;
@@ -618,8 +632,21 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   }
   // Caps given now win over the saved ones (a cap given again at resume replaces a
   // learned one, also upwards: how a learned cap is raised after a change of card or
-  // model); a saved plan that breaks one is re-solved at once.
-  applyGivenMemoryCaps();
+  // model); a saved plan that breaks one is re-solved at once. On a launcher's restart
+  // the same command line comes back: a cap learned since (out of memory) is lower and
+  // stays.
+  if (restarted_ && planner_) {
+    const std::vector<int64_t> saved = planner_->memoryCaps();
+    for (int r = 0; r < comm_.size() && static_cast<size_t>(r) < options_.maxLocalBatch.size();
+         ++r) {
+      const int64_t given = options_.maxLocalBatch[static_cast<size_t>(r)];
+      if (given > 0 && given < saved[static_cast<size_t>(r)]) {
+        planner_->setMemoryCap(r, given);
+      }
+    }
+  } else {
+    applyGivenMemoryCaps();
+  }
   HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", loaded.path, " at step ", step_,
                   ", epoch ", epoch_,
                   midEpoch_ ? " (mid-epoch, sample " + std::to_string(samplerState_.position) + ")"

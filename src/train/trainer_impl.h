@@ -111,6 +111,7 @@ class Trainer::Impl {
   double budgetSecondsBefore_ = 0;
   int64_t budgetStartStep_ = 0;
   bool carryBudget_ = false;  // load() takes the saved budget (a launcher's restart)
+  bool restarted_ = false;    // load() runs for a launcher's restart of this job
   int64_t epochSteps_ = 0;    // steps of the epoch in progress (carried mid-epoch)
   /// Steps planned in all (StepInfo::totalSteps).
   int64_t plannedSteps() const;

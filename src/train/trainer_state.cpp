@@ -333,6 +333,7 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     g.budgetEvaluationSeconds = v[4];
     g.budgetStartStep = static_cast<int64_t>(v[5]);
     g.budgetSteps = static_cast<int64_t>(v[6]);
+    g.present = true;
   }
   const StateMeta& meta = loaded.meta;
   HDDP_CHECK_AS(StateError, meta.globalBatch == globalBatch, "state file ", path,

@@ -65,6 +65,8 @@ struct StateMeta {
     double budgetEvaluationSeconds = 0;
     int64_t budgetStartStep = 0;
     int64_t budgetSteps = 0;
+    /// The file had the entry (older files do not).
+    bool present = false;
   } progress;
 };
 

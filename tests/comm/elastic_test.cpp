@@ -346,6 +346,12 @@ TEST(Elastic, AUsageErrorOnEveryRankEndsTheJobAtOnce) {
   auto other = runCommand(launcher() + " --nproc-per-node 1:2 --max-restarts 1 -- sh -c 'exit 3'");
   EXPECT_NE(other.output.find(" left: rank "), std::string::npos) << other.output;
   EXPECT_EQ(other.output.find("a usage error"), std::string::npos) << other.output;
+  // Code 2 on one rank alone (its device, say) is that slot's departure: the job goes on.
+  auto alone = runCommand(launcher() + " --nproc-per-node 2:3 --rejoin-every 1000 -- sh -c " +
+                          "'if [ \"$HDDP_SLOT\" = 1 ]; then exit 2; fi; sleep 3'");
+  EXPECT_EQ(alone.exitCode, 0) << alone.output;
+  EXPECT_NE(alone.output.find("slot 1 left"), std::string::npos) << alone.output;
+  EXPECT_EQ(alone.output.find("a usage error"), std::string::npos) << alone.output;
 }
 
 // Per-rank options of an elastic job name slots: with slot 2 emulated slower, the

@@ -443,11 +443,13 @@ TEST_P(BufferStatistics, ComeFromTheRanksThatTrainedWeightedBySamples) {
   auto x = torch::randn({B, 4});
   x.narrow(0, 0, split[0]).mul_(5).add_(3);
   auto makeModel = [] {
-    torch::manual_seed(3);
     return torch::nn::Sequential(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6),
                                  torch::nn::Linear(6, 2));
   };
+  torch::manual_seed(3);
+  auto initial = makeModel();
   auto single = makeModel();
+  copyParams(*initial, *single);
   const int steps = 3;
   for (int s = 0; s < steps; ++s) {
     single->forward(x).sum().backward();
@@ -455,7 +457,8 @@ TEST_P(BufferStatistics, ComeFromTheRanksThatTrainedWeightedBySamples) {
   const auto want = single[1]->named_buffers();
   runThreads(size, [&](int rank, int n, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, n);
-    auto model = makeModel();
+    auto model = makeModel();  // the threads draw from one generator: copy the weights
+    copyParams(*initial, *model);
     hddp::DistributedDataParallel ddp(model, *comm);
     int64_t offset = 0;
     for (int r = 0; r < rank; ++r) {

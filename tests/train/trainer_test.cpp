@@ -1058,7 +1058,7 @@ TEST(Trainer, ARestartKeepsTheJobsTimeBudgetAndItsSchedule) {
       o.balance = false;
       o.progress = hddp::ProgressMode::Off;
       o.loader.workers = 0;
-      o.timeBudgetSeconds = 3.0;
+      o.timeBudgetSeconds = 8.0;  // ~300 steps; the first run dies at step 33
       o.saveDir = dir;
       o.saveEvery = 5;
       auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(80, 1, 8, 4, /*seed=*/1);

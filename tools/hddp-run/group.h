@@ -295,12 +295,27 @@ class Group {
         env.push_back("HDDP_ALLOW_SHARED_DEVICE=1");
       }
       const pid_t parent = getpid();
+      // Signals stay blocked across fork until the child has reset hddp-run's handlers:
+      // a SIGTERM (stopping a generation) that reached a child before its exec would
+      // otherwise run hddp-run's handler there and write into the signal pipe it shares,
+      // which hddp-run then read as its own interruption.
+      sigset_t blockAll;
+      sigset_t previousMask;
+      sigfillset(&blockAll);
+      pthread_sigmask(SIG_BLOCK, &blockAll, &previousMask);
       const pid_t pid = fork();
+      if (pid != 0) {
+        pthread_sigmask(SIG_SETMASK, &previousMask, nullptr);
+      }
       if (pid < 0) {
         say(std::string("fork failed: ") + std::strerror(errno));
         return false;
       }
       if (pid == 0) {
+        signal(SIGHUP, SIG_DFL);
+        signal(SIGCHLD, SIG_DFL);
+        close(gSignalPipe[0]);
+        close(gSignalPipe[1]);
         // Child: own process group (we forward signals ourselves), die with the launcher.
         setpgid(0, 0);
         prctl(PR_SET_PDEATHSIG, SIGKILL);
@@ -317,6 +332,7 @@ class Group {
           // receive it finds the reform file at its next commit.
           signal(SIGUSR1, SIG_IGN);
         }
+        pthread_sigmask(SIG_SETMASK, &previousMask, nullptr);
         dup2(outPipe[1], STDOUT_FILENO);
         dup2(errPipe[1], STDERR_FILENO);
         for (const auto& kv : env) {
@@ -411,6 +427,8 @@ class Group {
     bool stopping = false;
     std::vector<std::pair<int, std::string>> failedSlots;
     bool usageError = false;
+    bool usageGrace = false;
+    std::chrono::steady_clock::time_point usageDecideAt{};
     std::chrono::steady_clock::time_point killAt{};
     int result = 0;
     while (true) {
@@ -418,8 +436,25 @@ class Group {
       if (!anyRunning()) {
         break;
       }
-      if (!stopping) {
-        if (const Rank* first = firstFailure()) {
+      const Rank* failure = stopping ? nullptr : firstFailure();
+      if (failure && !usageGrace && isUsage(*failure) && config_.minProcs > 0) {
+        // Elastic: a usage error is the same on every rank, which then fail on their own
+        // within moments; a rank that fails alone (its device) is a departure. Wait up to
+        // 2 s before deciding and stopping the others.
+        usageGrace = true;
+        usageDecideAt = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      }
+      if (failure && usageGrace && std::chrono::steady_clock::now() < usageDecideAt) {
+        bool othersLeft = false;
+        for (const auto& r : ranks_) {
+          othersLeft = othersLeft || (r.running && !failed(r));
+        }
+        if (othersLeft) {
+          failure = nullptr;  // still waiting for the others
+        }
+      }
+      if (!stopping && failure) {
+        if (const Rank* first = failure) {
           say("rank " + std::to_string(first->globalRank) + " (pid " + std::to_string(first->pid) +
               ") " + describeStatus(first->status) + "; stopping the other ranks");
           for (const auto& r : ranks_) {
@@ -431,21 +466,24 @@ class Group {
           result = exitCodeOf(first->status);
           stopping = true;
           usageError = true;
+          int usageFailures = 0;
           for (const auto& r : ranks_) {
             if (!r.running && failed(r)) {
               failedSlots.emplace_back(
                   r.slot, "rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
-              usageError =
-                  usageError && WIFEXITED(r.status) && isUsageExitCode(WEXITSTATUS(r.status));
+              usageError = usageError && isUsage(r);
+              usageFailures += isUsage(r) ? 1 : 0;
             }
           }
+          // More than one rank (or the only one) with the same kind of error.
+          usageError = usageError && (usageFailures >= 2 || ranks_.size() == 1);
         }
         if (stopping) {
           signalAll(SIGTERM);
           killAt = std::chrono::steady_clock::now() +
                    std::chrono::milliseconds(static_cast<int>(config_.graceSeconds * 1000));
         }
-      } else if (std::chrono::steady_clock::now() >= killAt) {
+      } else if (stopping && std::chrono::steady_clock::now() >= killAt) {
         signalAll(SIGKILL);
         killAt = std::chrono::steady_clock::now() + std::chrono::hours(1);
       }
@@ -480,6 +518,21 @@ class Group {
       if (const Rank* first = firstFailure()) {
         result = exitCodeOf(first->status);
         say("rank " + std::to_string(first->globalRank) + " " + describeStatus(first->status));
+        // Every rank ended before the loop saw one fail (a program that exits at once):
+        // a usage error on all of them still ends an elastic job.
+        bool allUsage = true;
+        std::vector<std::pair<int, std::string>> usage;
+        for (const auto& r : ranks_) {
+          if (failed(r)) {
+            allUsage = allUsage && isUsage(r);
+            usage.emplace_back(
+                r.slot, "rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
+          }
+        }
+        if (allUsage && failedSlots.empty() && (usage.size() >= 2 || ranks_.size() == 1)) {
+          usageError = true;
+          failedSlots = std::move(usage);
+        }
       }
     }
     Outcome outcome{result, interrupted, false, std::move(failedSlots), usageError};
@@ -519,6 +572,9 @@ class Group {
            WEXITSTATUS(r.status) == kReformExitCode;
   }
   bool failed(const Rank& r) const { return !r.running && r.status != 0 && !leftToReform(r); }
+  static bool isUsage(const Rank& r) {
+    return !r.running && WIFEXITED(r.status) && isUsageExitCode(WEXITSTATUS(r.status));
+  }
 
   bool anyRunning() const {
     for (const auto& r : ranks_) {

@@ -124,7 +124,7 @@ DeviceTable DeviceTable::parse(const std::string& textIn, const std::string& ori
   }
   HDDP_CHECK_AS(ConfigError, root.is_object(), origin,
                 " must be a JSON object with \"devices\" and/or \"links\"");
-  onlyFields(root, origin, {"devices", "links", "comment"});
+  onlyFields(root, origin, {"devices", "links", "published", "comment"});
   DeviceTable table;
   if (root.contains("devices")) {
     checkSection(root, "devices", origin);
@@ -158,6 +158,28 @@ DeviceTable DeviceTable::parse(const std::string& textIn, const std::string& ori
       l.GBps = number(it.value(), where, "GBps", false);
       l.source = text(it.value(), where, "source");
       table.links_[l.key] = l;
+    }
+  }
+  if (root.contains("published")) {
+    HDDP_CHECK_AS(ConfigError, root["published"].is_array(), origin,
+                  ": \"published\" must be an array of figures");
+    size_t index = 0;
+    for (const json& f : root["published"]) {
+      const std::string where = origin + ": published figure " + std::to_string(index++);
+      onlyFields(
+          f, where,
+          {"device", "model", "input", "amp", "batch", "samples_per_second", "source", "comment"});
+      PublishedFigure p;
+      p.device = text(f, where, "device");
+      p.model = text(f, where, "model");
+      p.input = text(f, where, "input");
+      p.amp = text(f, where, "amp");
+      HDDP_CHECK_AS(ConfigError, p.amp == "off" || p.amp == "fp16" || p.amp == "bf16", where,
+                    ": 'amp' is off, fp16 or bf16, not '", p.amp, "'");
+      p.batch = static_cast<int64_t>(number(f, where, "batch", false));
+      p.samplesPerSecond = number(f, where, "samples_per_second", false);
+      p.source = text(f, where, "source");
+      table.published_.push_back(p);
     }
   }
   return table;
@@ -205,6 +227,7 @@ void DeviceTable::merge(const DeviceTable& other) {
   for (const auto& [key, l] : other.links_) {
     links_[key] = l;
   }
+  published_.insert(published_.end(), other.published_.begin(), other.published_.end());
 }
 
 namespace {

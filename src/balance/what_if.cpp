@@ -157,6 +157,9 @@ std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelP
                            : " counts no training FLOPs: calibrate it on a device (--calibrate)");
   HDDP_CHECK_AS(ConfigError, s.efficiency > 0 && s.efficiency <= 1,
                 "what-if: the efficiency is a share of the peak in (0, 1], not ", s.efficiency);
+  HDDP_CHECK_AS(ConfigError, s.memoryTraffic >= 0 && std::isfinite(s.memoryTraffic),
+                "what-if: the memory traffic is bytes moved per activation byte, 0 or more, not ",
+                s.memoryTraffic);
   std::vector<RankCost> costs;
   for (const auto& e : mix) {
     RankCost c;
@@ -166,7 +169,9 @@ std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelP
       c.secondsPerSample = p.calibratedSecondsPerSample * peakTflopsFor(k, p.amp) / peak;
       c.fixedSeconds = p.calibratedFixedSeconds * k.memoryGBps / e.device.memoryGBps;
     } else {
-      c.secondsPerSample = p.trainFlopsPerSample / (peak * 1e12 * s.efficiency);
+      c.secondsPerSample =
+          p.trainFlopsPerSample / (peak * 1e12 * s.efficiency) +
+          s.memoryTraffic * p.activationBytesPerSample / (e.device.memoryGBps * 1e9);
       c.fixedSeconds =
           (3.0 + 2.0 * s.optimizerStateCopies) * p.parameterBytes / (e.device.memoryGBps * 1e9);
     }
@@ -343,10 +348,14 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
     }
   }
   if (p.calibratedOn.empty()) {
-    advice.push_back("compute is predicted at " + percent(s.efficiency) + " of each card's " +
-                     precisionName(p.amp) +
-                     " peak (--efficiency); a calibration on a card of the table (--calibrate) "
-                     "replaces that guess with a measurement");
+    advice.push_back("not calibrated: compute is predicted at " + percent(s.efficiency) +
+                     " of each card's " + precisionName(p.amp) + " peak plus " +
+                     format("%.1f", s.memoryTraffic) +
+                     " bytes of memory traffic per activation byte (--efficiency, "
+                     "--memory-traffic), a fit to published training figures within +/-" +
+                     percent(s.uncertainty) +
+                     "; a calibration on a card of the table (--calibrate) replaces that guess "
+                     "with a measurement");
   }
   return r;
 }

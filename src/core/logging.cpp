@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cstdio>
 #include <mutex>
 
 #include "core/log_sink.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp/core/live_line.h"
 
 namespace hddp {
 namespace log {
@@ -19,6 +21,7 @@ std::once_flag gInit;
 std::mutex gHandlerMutex;
 LineHandler gHandler;  // guarded by gHandlerMutex
 std::atomic<bool> gHasHandler{false};
+std::atomic<bool> gLiveLine{false};  // a progress bar is drawn on stderr, no newline yet
 
 void initFromEnvironment() noexcept {
   std::call_once(gInit, [] {
@@ -75,6 +78,17 @@ void setLevel(Level lvl) noexcept {
 
 bool enabled(Level lvl) noexcept { return lvl != Level::Off && lvl >= level(); }
 
+void setLiveLineOpen(bool open) noexcept { gLiveLine.store(open); }
+
+bool closeLiveLine(bool clear) noexcept {
+  if (!gLiveLine.exchange(false)) {
+    return false;
+  }
+  std::fputs(clear ? "\r\033[K" : "\n", stderr);
+  std::fflush(stderr);
+  return true;
+}
+
 void setRank(int r) noexcept { sink::setRank(r); }
 
 int rank() noexcept { return sink::rank(); }
@@ -102,6 +116,7 @@ void write(const char* layer, Level lvl, const std::string& message) noexcept {
       return;  // a handler that throws loses its line, as logging never throws
     }
   }
+  closeLiveLine(/*clear=*/true);  // the line goes where the bar was, whole
   sink::write(layer, static_cast<int>(lvl), message.data(), message.size());
 }
 

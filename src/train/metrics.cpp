@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "hddp/core/error.h"
+#include "hddp/core/live_line.h"
 
 namespace hddp {
 namespace train {
@@ -61,7 +62,7 @@ void Progress::step(int64_t epoch, int64_t epochs, int64_t stepInEpoch, int64_t 
                  static_cast<long long>(done), static_cast<long long>(stepsPerEpoch), loss,
                  samplesPerSecond, extra.c_str());
     std::fflush(stderr);
-    open_ = true;
+    log::setLiveLineOpen(true);
     return;
   }
   if (done % every_ == 0 || done == stepsPerEpoch) {
@@ -77,10 +78,7 @@ void Progress::line(const std::string& text) {
   if (!enabled_) {
     return;
   }
-  if (open_) {
-    std::fputc('\n', stderr);
-    open_ = false;
-  }
+  log::closeLiveLine(/*clear=*/false);
   std::fprintf(stderr, "%s\n", text.c_str());
   std::fflush(stderr);
 }

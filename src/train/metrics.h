@@ -40,7 +40,6 @@ class Progress {
   bool enabled_;
   bool live_;
   int64_t every_;
-  bool open_ = false;
   std::chrono::steady_clock::time_point last_{};
 };
 

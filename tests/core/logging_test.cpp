@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "hddp/core/error.h"
+#include "train/metrics.h"
 
 namespace {
 
@@ -34,6 +35,25 @@ TEST(Logging, LinesCarryRankAndLayerAndRespectTheLevel) {
   HDDP_LOG_INFO("comm", "to stderr, not captured");
   EXPECT_EQ(lines, (std::vector<std::string>{"[rank 3] [hddp.comm] [info] visible 42",
                                              "[hddp.train] [warn] no rank"}));
+}
+
+// A rank alone in a terminal draws its live bar on stderr itself; its own log lines
+// clear the bar first and are written whole, never onto it (issue #32, item 19).
+TEST(Logging, ALogLineClearsTheLiveProgressBarFirst) {
+  hddp::log::setLevel(hddp::log::Level::Info);
+  hddp::train::Progress progress(/*enabled=*/true, /*live=*/true, /*every=*/1);
+  testing::internal::CaptureStderr();
+  progress.step(0, 1, 4, 10, 0.5, 123.0, "");
+  HDDP_LOG_INFO("balance", "a new plan");
+  progress.step(0, 1, 9, 10, 0.25, 124.0, "");
+  progress.line("epoch summary");
+  const std::string out = testing::internal::GetCapturedStderr();
+  // The bar is wiped ("\r" + erase line) and the log line (its time stamp first) takes
+  // its place; without that the line would follow "samples/s" on the bar's line.
+  EXPECT_NE(out.find("123 samples/s\r\033[K["), std::string::npos) << out;
+  EXPECT_NE(out.find("a new plan"), std::string::npos) << out;
+  // The last bar stays on screen, ended by a newline, above the summary.
+  EXPECT_NE(out.find("124 samples/s\nepoch summary\n"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -37,7 +37,8 @@ TEST(HddpProbeWhatIf, AFileWithItsOwnEntriesAndASavedProfileGiveTheGoldenPredict
   std::ofstream(dir + "/profile.json") << p.toJson();
   const auto r = hddp::testing::runCommand(
       probe() + " --what-if " + dir + "/mix.json --profile " + dir +
-      "/profile.json --efficiency 0.5 --global-batch 256 --json --svg " + dir + "/chart.svg 2>&1");
+      "/profile.json --efficiency 0.5 --memory-traffic 0 --global-batch 256 --json --svg " + dir +
+      "/chart.svg 2>&1");
   ASSERT_EQ(r.exitCode, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["split"], nlohmann::json::parse("[195, 61]"));

@@ -181,22 +181,25 @@ json toJson(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const What
          {"step_s", d.stepSeconds},
          {"memory_bytes", d.memoryBytes}});
   }
-  return {{"model", json::parse(p.toJson())},
-          {"global_batch", o.settings.globalBatch},
-          {"efficiency", p.calibratedOn.empty() ? json(o.settings.efficiency) : json(nullptr)},
-          {"devices", devices},
-          {"split", r.plan.local},
-          {"allreduce_s", r.allreduceSeconds},
-          {"exposed_allreduce_s", r.exposedAllreduceSeconds},
-          {"slowest_link_GBps", r.slowestLinkGBps},
-          {"step_s", r.stepSeconds},
-          {"samples_per_s", r.samplesPerSecond},
-          {"equal_split_samples_per_s",
-           r.equalSplitSamplesPerSecond > 0 ? json(r.equalSplitSamplesPerSecond) : json(nullptr)},
-          {"fastest_alone",
-           {{"device", r.devices[static_cast<size_t>(r.fastest)].entry.device.key},
-            {"samples_per_s", r.fastestAloneSamplesPerSecond}}},
-          {"advice", r.advice}};
+  return {
+      {"model", json::parse(p.toJson())},
+      {"global_batch", o.settings.globalBatch},
+      {"efficiency", p.calibratedOn.empty() ? json(o.settings.efficiency) : json(nullptr)},
+      {"memory_traffic", p.calibratedOn.empty() ? json(o.settings.memoryTraffic) : json(nullptr)},
+      {"uncertainty", p.calibratedOn.empty() ? json(o.settings.uncertainty) : json(nullptr)},
+      {"devices", devices},
+      {"split", r.plan.local},
+      {"allreduce_s", r.allreduceSeconds},
+      {"exposed_allreduce_s", r.exposedAllreduceSeconds},
+      {"slowest_link_GBps", r.slowestLinkGBps},
+      {"step_s", r.stepSeconds},
+      {"samples_per_s", r.samplesPerSecond},
+      {"equal_split_samples_per_s",
+       r.equalSplitSamplesPerSecond > 0 ? json(r.equalSplitSamplesPerSecond) : json(nullptr)},
+      {"fastest_alone",
+       {{"device", r.devices[static_cast<size_t>(r.fastest)].entry.device.key},
+        {"samples_per_s", r.fastestAloneSamplesPerSecond}}},
+      {"advice", r.advice}};
 }
 
 void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const WhatIfOptions& o) {
@@ -213,8 +216,10 @@ void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const 
       p.trainFlopsPerSample / 1e9, p.forwardFlopsPerSample / 1e9, p.parameterBytes / 4e6,
       p.parameterBytes / kMiB, p.activationBytesPerSample / kMiB, p.inputBytesPerSample / 1024.0);
   if (p.calibratedOn.empty()) {
-    std::printf("Compute: %.0f%% of each card's peak (not calibrated)\n\n",
-                100.0 * o.settings.efficiency);
+    std::printf(
+        "Compute: %.0f%% of each card's peak + %.1f bytes of memory traffic per activation "
+        "byte (not calibrated: +/-%.0f%%, the fit's largest error on published figures)\n\n",
+        100.0 * o.settings.efficiency, o.settings.memoryTraffic, 100.0 * o.settings.uncertainty);
   } else {
     std::printf(
         "Compute: calibrated on %s, %.3f ms/sample + %.2f ms a step, scaled by peak "
@@ -239,6 +244,9 @@ void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const 
   }
   std::printf("  predicted: %.2f ms a step, %.0f samples/s", r.stepSeconds * 1e3,
               r.samplesPerSecond);
+  if (p.calibratedOn.empty()) {
+    std::printf(" (+/-%.0f%%, not calibrated)", 100.0 * o.settings.uncertainty);
+  }
   if (r.devices.size() > 1) {
     if (r.equalSplitSamplesPerSecond > 0) {
       std::printf("; equal split (PyTorch DDP) %.0f samples/s", r.equalSplitSamplesPerSecond);
@@ -382,8 +390,15 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
       ->capture_default_str()
       ->group(g);
   app.add_option("--efficiency", w.settings.efficiency,
-                 "Without a calibration: the share of each card's peak a training step reaches")
+                 "Without a calibration: the share of each card's peak the products reach "
+                 "(default: fitted to the table's published figures)")
       ->check(CLI::Range(0.01, 1.0))
+      ->capture_default_str()
+      ->group(g);
+  app.add_option("--memory-traffic", w.settings.memoryTraffic,
+                 "Without a calibration: device-memory bytes a step moves per byte of saved "
+                 "activations (default: fitted with --efficiency; 0 = products only)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str()
       ->group(g);
   app.add_option("--optimizer", w.optimizer,

@@ -12,8 +12,17 @@
 //
 // fp16_tflops and bf16_tflops are the dense tensor-core rates with FP32 accumulation
 // (what autocast training runs at); 0 means the card has no such path (bf16 on Turing).
+//
+// "published" lists training throughputs that others measured on cards of the table, each
+// with its source: what the uncalibrated what-if prediction is checked against (its
+// default efficiency and memory-traffic factor are fitted to them; docs/balance.md).
+//
+//   "published": [{"device": "v100", "model": "resnet50", "input": "3x224x224",
+//                  "amp": "fp16", "batch": 256, "samples_per_second": 1200,
+//                  "source": "..."}]
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,6 +47,18 @@ struct LinkSpec {
   std::string source;
 };
 
+/// A training throughput measured by others on one card of the table (one GPU, the
+/// whole model's training step, samples per second), with where it was published.
+struct PublishedFigure {
+  std::string device;  // a key of the table's devices
+  std::string model;   // hddp-probe --model's name: "resnet50"
+  std::string input;   // one sample's shape, "3x224x224"
+  std::string amp;     // "off", "fp16" or "bf16"
+  int64_t batch = 0;
+  double samplesPerSecond = 0;
+  std::string source;
+};
+
 /// One entry of a what-if mix: a device on a link ("rtx3060@tb3").
 struct MixEntry {
   DeviceSpec device;
@@ -57,7 +78,8 @@ class DeviceTable {
   /// next to the installed library, else the source tree's data/devices.json.
   static DeviceTable builtIn();
 
-  /// Adds `other`'s entries; an entry with the same key replaces this table's.
+  /// Adds `other`'s entries; an entry with the same key replaces this table's; published
+  /// figures are appended.
   void merge(const DeviceTable& other);
 
   /// The entry for `key` (case-insensitive); ConfigError listing the known keys (and
@@ -66,6 +88,8 @@ class DeviceTable {
   const LinkSpec& link(const std::string& key) const;
   const std::map<std::string, DeviceSpec>& devices() const { return devices_; }
   const std::map<std::string, LinkSpec>& links() const { return links_; }
+  /// The published training figures (a merged table keeps both tables' lists).
+  const std::vector<PublishedFigure>& published() const { return published_; }
 
   /// Parses a mix, "rtx4090@pcie4x16,rtx3060@tb3" (a device without "@link" sits on
   /// `defaultLink`); ConfigError naming the item that is wrong.
@@ -75,6 +99,7 @@ class DeviceTable {
  private:
   std::map<std::string, DeviceSpec> devices_;
   std::map<std::string, LinkSpec> links_;
+  std::vector<PublishedFigure> published_;
 };
 
 }  // namespace hddp

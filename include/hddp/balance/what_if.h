@@ -6,8 +6,15 @@
 //
 //   compute / sample   with a calibration on table device K:  measured x peak(K) / peak(D)
 //                      without:  training FLOPs / (peak(D) x efficiency)
+//                                + memory traffic x activation bytes / memory bandwidth(D)
 //                      peak = the table's rate for the precision (fp32, or the fp16 / bf16
-//                      tensor rate under AMP; a card without that path runs at its fp32 rate)
+//                      tensor rate under AMP; a card without that path runs at its fp32 rate).
+//                      The two terms are a roofline added up: the products at a share of the
+//                      peak, and the elementwise work (normalisation, activations, their
+//                      gradients) streaming the saved activations through device memory.
+//                      efficiency and memory traffic are fitted to the published training
+//                      figures of the device table (its "published" list), and
+//                      WhatIfSettings::uncertainty is the largest error of that fit.
 //   fixed / step       with a calibration: measured x memory bandwidth(K) / bandwidth(D)
 //                      without: the optimizer's update traffic / memory bandwidth(D),
 //                      (3 + 2 x state copies) x parameter bytes
@@ -68,10 +75,27 @@ struct ModelProfile {
   static ModelProfile fromJson(const std::string& text, const std::string& origin);
 };
 
+/// The fit of the uncalibrated model to the device table's published figures
+/// (bench/what_if_fit.py: 5 ResNet-50 training figures on 4 cards, largest error 17.5%;
+/// the test WhatIf.UncalibratedPredictionsMatchPublishedFigures holds every figure within
+/// kFittedUncertainty, which is that error rounded up).
+constexpr double kFittedEfficiency = 0.68;
+constexpr double kFittedMemoryTraffic = 10.9;
+constexpr double kFittedUncertainty = 0.20;
+
 struct WhatIfSettings {
   int64_t globalBatch = 256;
-  /// Without a calibration: the share of the table's peak a training step reaches.
-  double efficiency = 0.4;
+  /// Without a calibration: the share of the table's peak the products (convolutions,
+  /// matrix products) reach. Default fitted to the table's published figures, with
+  /// memoryTraffic (docs/balance.md, "What-if without a calibration").
+  double efficiency = kFittedEfficiency;
+  /// Without a calibration: device-memory bytes a training step moves per byte of saved
+  /// activations (the elementwise work of forward and backward). Default fitted with
+  /// efficiency; 0 = products only.
+  double memoryTraffic = kFittedMemoryTraffic;
+  /// The relative error the uncalibrated prediction carries: the largest error of the
+  /// default fit against the published figures (printed with the prediction).
+  double uncertainty = kFittedUncertainty;
   /// Optimizer state per parameter, in copies of the weights (momentum SGD 1, Adam 2).
   double optimizerStateCopies = 1.0;
   /// Each device's memory kept free (the Trainer's PlannerSettings::memoryHeadroom).

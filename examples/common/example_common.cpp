@@ -14,6 +14,9 @@
 #include "hddp/balance/emulation.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/devices.h"
+#ifdef HDDP_EXAMPLES_WITH_EMU
+#include "hddp/emu/emu.h"
+#endif
 #include "hddp/comm/rendezvous.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
@@ -126,7 +129,44 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
       ->capture_default_str();
 }
 
+namespace {
+
+// Whether a device text ("emu:0", or a list "emu:0,cpu") names hddp's emulated
+// accelerator.
+bool namesEmulator(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (size_t at = text.find("emu"); at != std::string::npos; at = text.find("emu", at + 1)) {
+    if (at == 0 || text[at - 1] == ',' || text[at - 1] == ' ') {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Installs hddp::emu (HDDP_EMU_* configure it) when this rank's device or the job's
+// device list names it, and only then: with emu installed, LibTorch pins host memory
+// for emu instead of CUDA.
+void installEmulatorIfNamed(const CommonFlags& flags) {
+  const char* list = std::getenv("HDDP_DEVICE");
+  if (!namesEmulator(flags.device) && !(list && namesEmulator(list))) {
+    return;
+  }
+#ifdef HDDP_EXAMPLES_WITH_EMU
+  hddp::emu::install();
+  HDDP_LOG_INFO("train", "hddp::emu installed: ", hddp::emu::deviceCount(),
+                " emulated device(s) on the CPU (HDDP_EMU_* variables)");
+#else
+  HDDP_THROW(ConfigError,
+             "a device names emu, but this build has no hddp::emu "
+             "(configure with -DHDDP_BUILD_EMU=ON)");
+#endif
+}
+
+}  // namespace
+
 InitOptions initOptions(const CommonFlags& flags) {
+  installEmulatorIfNamed(flags);
   InitOptions o;
   if (!flags.device.empty()) {
     o.device = parseDeviceName(flags.device, "--device");
@@ -175,8 +215,8 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   } else {
     o.amp = parseAmpMode(f.amp);
   }
-  HDDP_CHECK_AS(ConfigError, !(o.amp == AmpMode::Fp16 && !ctx.device.is_cuda()),
-                "--amp fp16 needs a CUDA device (this rank runs on ", ctx.device.str(),
+  HDDP_CHECK_AS(ConfigError, !(o.amp == AmpMode::Fp16 && ctx.device.is_cpu()),
+                "--amp fp16 needs a GPU (this rank runs on ", ctx.device.str(),
                 "); use --amp bf16 on CPU");
   o.clipGradNorm = f.clipGradNorm;
   o.balance = f.balance;
@@ -332,7 +372,7 @@ std::vector<double> evaluateSharded(
   const int64_t begin = shard.begin;
   const int64_t end = shard.end;
 
-  const c10::Device device = comm.device();
+  const c10::Device device = trainer.device();  // the rank's, not the communicator's
   at::Tensor total = at::zeros({sumCount}, at::TensorOptions().dtype(at::kDouble).device(device));
   torch::NoGradGuard noGrad;
   trainer.ddp().module().eval();

@@ -7,7 +7,10 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "core/gradient_capture.h"
 #include "core/torch_compat.h"
@@ -27,11 +30,31 @@ struct CheckpointState : torch::CustomClassHolder {
   at::Tensor cpuRngState;
   std::vector<std::pair<at::Device, at::Tensor>> deviceRngStates;
   std::vector<at::Tensor> parameters;
-  bool autocastCpu = false;
-  c10::ScalarType autocastCpuDtype = c10::kBFloat16;
-  bool autocastCuda = false;
-  c10::ScalarType autocastCudaDtype = c10::kHalf;
+  // Autocast of the forward, per device type: the CPU, CUDA and every device type of
+  // the inputs (an XPU's, a PrivateUse1 backend's such as hddp::emu). The recomputation
+  // runs in backward, on the autograd engine's device thread, where it must be restored.
+  struct Autocast {
+    c10::DeviceType type;
+    bool enabled;
+    c10::ScalarType dtype;
+  };
+  std::vector<Autocast> autocast;
 };
+
+std::vector<CheckpointState::Autocast> currentAutocast(const std::vector<c10::DeviceType>& types) {
+  std::vector<CheckpointState::Autocast> out;
+  for (const auto type : types) {
+    out.push_back({type, compat::autocastEnabled(type), compat::autocastDtype(type)});
+  }
+  return out;
+}
+
+void setAutocast(const std::vector<CheckpointState::Autocast>& states) {
+  for (const auto& a : states) {
+    compat::setAutocastEnabled(a.type, a.enabled);
+    compat::setAutocastDtype(a.type, a.dtype);
+  }
+}
 
 at::Tensor getRngState(at::Generator gen) {
   std::lock_guard<std::mutex> lock(gen.mutex());
@@ -47,22 +70,29 @@ void setRngState(at::Generator& gen, const at::Tensor& state) {
 class ForwardStateScope {
  public:
   explicit ForwardStateScope(const CheckpointState& s) {
+    // Every generator's state is saved before any is set: a device whose generator is
+    // the CPU's (an emulated one) would otherwise save the forward's state as its own.
     auto cpu = at::detail::getDefaultCPUGenerator();
     savedCpu_ = getRngState(cpu);
+    for (const auto& entry : s.deviceRngStates) {
+      auto gen = at::globalContext().defaultGenerator(entry.first);
+      if (gen.unsafeGetGeneratorImpl() != cpu.unsafeGetGeneratorImpl()) {
+        savedDevices_.emplace_back(entry.first, getRngState(gen));
+      }
+    }
     setRngState(cpu, s.cpuRngState);
     for (const auto& entry : s.deviceRngStates) {
       auto gen = at::globalContext().defaultGenerator(entry.first);
-      savedDevices_.emplace_back(entry.first, getRngState(gen));
-      setRngState(gen, entry.second);
+      if (gen.unsafeGetGeneratorImpl() != cpu.unsafeGetGeneratorImpl()) {
+        setRngState(gen, entry.second);
+      }
     }
-    prevCpu_ = compat::autocastEnabled(c10::kCPU);
-    prevCpuDtype_ = compat::autocastDtype(c10::kCPU);
-    prevCuda_ = compat::autocastEnabled(c10::kCUDA);
-    prevCudaDtype_ = compat::autocastDtype(c10::kCUDA);
-    compat::setAutocastEnabled(c10::kCPU, s.autocastCpu);
-    compat::setAutocastDtype(c10::kCPU, s.autocastCpuDtype);
-    compat::setAutocastEnabled(c10::kCUDA, s.autocastCuda);
-    compat::setAutocastDtype(c10::kCUDA, s.autocastCudaDtype);
+    std::vector<c10::DeviceType> types;
+    for (const auto& a : s.autocast) {
+      types.push_back(a.type);
+    }
+    previousAutocast_ = currentAutocast(types);
+    setAutocast(s.autocast);
     // An autocast scope, as PyTorch's checkpoint opens one: the recomputation's
     // low-precision weight casts are cached only for this scope. Without it they would
     // outlive the optimizer step and the next forward would use the old weights.
@@ -78,17 +108,13 @@ class ForwardStateScope {
       auto gen = at::globalContext().defaultGenerator(entry.first);
       setRngState(gen, entry.second);
     }
-    compat::setAutocastEnabled(c10::kCPU, prevCpu_);
-    compat::setAutocastDtype(c10::kCPU, prevCpuDtype_);
-    compat::setAutocastEnabled(c10::kCUDA, prevCuda_);
-    compat::setAutocastDtype(c10::kCUDA, prevCudaDtype_);
+    setAutocast(previousAutocast_);
   }
 
  private:
   at::Tensor savedCpu_;
   std::vector<std::pair<at::Device, at::Tensor>> savedDevices_;
-  bool prevCpu_, prevCuda_;
-  c10::ScalarType prevCpuDtype_, prevCudaDtype_;
+  std::vector<CheckpointState::Autocast> previousAutocast_;
 };
 
 // Leaves requiring grad reachable from `roots` (through AccumulateGrad nodes).
@@ -252,20 +278,25 @@ std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn,
     state->inputRequiresGrad.push_back(t.requires_grad());
   }
   state->cpuRngState = getRngState(at::detail::getDefaultCPUGenerator());
-  std::set<c10::DeviceIndex> cudaDevices;
+  // The RNG of every device of the inputs (dropout on a GPU), and the autocast state
+  // of the CPU, CUDA and those devices' types.
+  std::set<std::pair<int, c10::DeviceIndex>> devices;
+  std::vector<c10::DeviceType> types{c10::kCPU, c10::kCUDA};
   for (const auto& t : inputs) {
-    if (t.is_cuda()) {
-      cudaDevices.insert(t.device().index());
+    if (t.defined() && !t.is_cpu()) {
+      const c10::Device d = t.device();
+      devices.insert({static_cast<int>(d.type()), d.has_index() ? d.index() : 0});
+      if (std::find(types.begin(), types.end(), d.type()) == types.end() &&
+          compat::autocastAvailable(d.type())) {
+        types.push_back(d.type());
+      }
     }
   }
-  for (auto index : cudaDevices) {
-    const at::Device d(at::kCUDA, index);
+  for (const auto& [type, index] : devices) {
+    const at::Device d(static_cast<c10::DeviceType>(type), index);
     state->deviceRngStates.emplace_back(d, getRngState(at::globalContext().defaultGenerator(d)));
   }
-  state->autocastCpu = compat::autocastEnabled(c10::kCPU);
-  state->autocastCpuDtype = compat::autocastDtype(c10::kCPU);
-  state->autocastCuda = compat::autocastEnabled(c10::kCUDA);
-  state->autocastCudaDtype = compat::autocastDtype(c10::kCUDA);
+  state->autocast = currentAutocast(types);
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), trainable.begin(), trainable.end());
   return CheckpointAutograd::apply(state, at::TensorList(all));

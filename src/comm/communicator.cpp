@@ -117,6 +117,10 @@ class C10dCommunicator final : public Communicator {
 
   Work allreduce(at::Tensor& tensor, const AllreduceOptions& options) override {
     checkTensor(tensor, "allreduce");
+    if (needsStaging(tensor)) {
+      at::Tensor host = toHost(tensor);
+      return copiedBackOnCompletion(allreduce(host, options), {host}, {tensor});
+    }
     std::vector<at::Tensor> tensors{tensor};
     return reduceInPlace(tensors, options.op, "allreduce");
   }
@@ -135,6 +139,13 @@ class C10dCommunicator final : public Communicator {
     }
     if (tensors.size() == 1) {
       return allreduce(tensors[0], options);
+    }
+    if (needsStaging(tensors[0])) {
+      std::vector<at::Tensor> host;
+      for (const auto& t : tensors) {
+        host.push_back(toHost(t));
+      }
+      return copiedBackOnCompletion(allreduceCoalesced(host, options), host, tensors);
     }
     std::vector<at::Tensor> flat_views;
     flat_views.reserve(tensors.size());
@@ -164,6 +175,10 @@ class C10dCommunicator final : public Communicator {
     checkTensor(tensor, "broadcast");
     HDDP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of this ", size_,
                "-rank group");
+    if (needsStaging(tensor)) {
+      at::Tensor host = toHost(tensor);
+      return copiedBackOnCompletion(broadcast(host, root), {host}, {tensor});
+    }
     std::vector<at::Tensor> tensors{tensor};
     const std::string what =
         c10::str("broadcast from rank ", root, " of ", describeTensors(tensors), rankSuffix());
@@ -189,6 +204,13 @@ class C10dCommunicator final : public Communicator {
                                : std::string("an undefined tensor"));
       HDDP_CHECK(out.is_contiguous(), "allgather outputs must be contiguous");
     }
+    if (needsStaging(input)) {
+      std::vector<at::Tensor> host;
+      for (const auto& out : outputs) {
+        host.push_back(at::empty(out.sizes(), out.options().device(c10::kCPU)));
+      }
+      return copiedBackOnCompletion(allgather(host, toHost(input)), host, outputs);
+    }
     const std::string what = c10::str("allgather of ", describeTensors({input}), rankSuffix());
     if (input.numel() == 0) {
       return completed(what);
@@ -207,6 +229,10 @@ class C10dCommunicator final : public Communicator {
                " elements, expected size() * output.numel() = ", size_, " * ", output.numel());
     HDDP_CHECK(input.scalar_type() == output.scalar_type() && input.device() == output.device(),
                "reduceScatter: input and output must share dtype and device");
+    if (needsStaging(output)) {
+      at::Tensor host = at::empty(output.sizes(), output.options().device(c10::kCPU));
+      return copiedBackOnCompletion(reduceScatter(host, toHost(input), op), {host}, {output});
+    }
     const std::string what = c10::str("reduceScatter(", reduceOpName(op), ") of ",
                                       describeTensors({input}), rankSuffix());
     if (output.numel() == 0) {
@@ -264,6 +290,30 @@ class C10dCommunicator final : public Communicator {
 
   std::string rankSuffix() const { return c10::str(" on rank ", rank_, "/", size_); }
 
+  // Gloo reduces host memory, and CUDA tensors, which ProcessGroupGloo stages itself.
+  // Tensors of any other device (a PrivateUse1 accelerator such as hddp::emu) are staged
+  // here: copied to the host before the collective (a blocking copy, so the device's
+  // work on them has finished) and back into the caller's tensors once it completed, in
+  // wait() or synchronize(), after the Avg division.
+  bool needsStaging(const at::Tensor& t) const {
+    return kind_ == Backend::Gloo && !t.is_cpu() && !t.is_cuda();
+  }
+  static at::Tensor toHost(const at::Tensor& t) { return t.to(c10::kCPU).contiguous(); }
+  static Work copiedBackOnCompletion(Work work, std::vector<at::Tensor> host,
+                                     std::vector<at::Tensor> targets) {
+    WorkAccess::Impl* impl = WorkAccess::impl(work);
+    auto before = std::move(impl->onComplete);
+    impl->onComplete = [before, host, targets]() mutable {
+      if (before) {
+        before();
+      }
+      for (size_t i = 0; i < targets.size(); ++i) {
+        targets[i].copy_(host[i]);
+      }
+    };
+    return work;
+  }
+
   void checkTensor(const at::Tensor& t, const char* op) const {
     HDDP_CHECK(t.defined(), op, ": the tensor is undefined");
     HDDP_CHECK(t.is_contiguous(), op, ": the tensor must be contiguous (got strides ", t.strides(),
@@ -273,8 +323,7 @@ class C10dCommunicator final : public Communicator {
       HDDP_CHECK(t.is_cuda(), op, " on the NCCL backend needs CUDA tensors, got one on ",
                  t.device(), "; use a Gloo communicator for CPU tensors");
     } else {
-      HDDP_CHECK(t.is_cpu() || t.is_cuda(), op, " on Gloo needs CPU or CUDA tensors, got ",
-                 t.device());
+      HDDP_CHECK(!t.is_meta(), op, " on Gloo needs tensors with data, got one on ", t.device());
     }
   }
 
@@ -307,6 +356,7 @@ class C10dCommunicator final : public Communicator {
     } catch (...) {
       detail::rethrowAsDistributed(what, detail::FailedOperation::Backend);
     }
+    impl->synchronizeWaits = kind_ == Backend::Gloo;
     WorkAccess::Impl* raw = impl.get();
     return PendingWork{WorkAccess::make(std::move(impl)), raw};
   }

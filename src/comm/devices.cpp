@@ -1,6 +1,9 @@
 // Each rank's device and the backend the job agrees on (see hddp/comm/devices.h).
 #include "hddp/comm/devices.h"
 
+#include <c10/core/DeviceType.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <algorithm>
 #include <cctype>
 #include <map>
@@ -53,6 +56,18 @@ std::string visibleDevices(int count) {
 
 void checkPresent(const c10::Device& device, const LaunchInfo& info, const std::string& source,
                   int cudaDeviceCount) {
+  if (device.is_privateuseone()) {
+    // An accelerator registered as PrivateUse1 (e.g. hddp::emu): its own device count.
+    const int count =
+        c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)
+            ? c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->deviceCount()
+            : 0;
+    const int index = device.has_index() ? device.index() : 0;
+    HDDP_CHECK_AS(ConfigError, index < count, whoIs(info), " is given ", device, " by ", source,
+                  " but this program has ", count, " ", c10::get_privateuse1_backend(),
+                  " device(s). Name one of them, or cpu");
+    return;
+  }
   if (!device.is_cuda()) {
     return;
   }
@@ -81,8 +96,28 @@ c10::Device parseDeviceName(const std::string& text, const std::string& source) 
       std::all_of(t.begin() + 5, t.end(), [](unsigned char c) { return std::isdigit(c); })) {
     return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(t.substr(5))));
   }
+  // An accelerator registered as LibTorch's PrivateUse1 backend, by its name: "emu",
+  // "emu:1" for hddp::emu.
+  const std::string name = c10::get_privateuse1_backend(/*lower_case=*/true);
+  const size_t colon = t.find(':');
+  const std::string head = t.substr(0, colon);
+  const std::string index = colon == std::string::npos ? "" : t.substr(colon + 1);
+  const bool indexOk =
+      colon == std::string::npos ||
+      (!index.empty() && index.size() <= 3 &&
+       std::all_of(index.begin(), index.end(), [](unsigned char c) { return std::isdigit(c); }));
+  if (c10::is_privateuse1_backend_registered() && head == name && indexOk) {
+    return index.empty() ? c10::Device(c10::DeviceType::PrivateUse1)
+                         : c10::Device(c10::DeviceType::PrivateUse1,
+                                       static_cast<c10::DeviceIndex>(std::stoi(index)));
+  }
+  HDDP_CHECK_AS(ConfigError, !(head == "emu" && indexOk), source, ": '", text,
+                "' names hddp's emulated accelerator, which this program has not installed: "
+                "link hddp::emu and call hddp::emu::install() before choosing devices (the "
+                "example trainers and hddp-probe do when a device names emu)");
   HDDP_CHECK_AS(ConfigError, false, source, ": '", text,
-                "' is not a device; use cpu, cuda or cuda:N (e.g. cuda:0)");
+                "' is not a device; use cpu, cuda or cuda:N (e.g. cuda:0)",
+                c10::is_privateuse1_backend_registered() ? ", or " + name + "[:N]" : "");
   return c10::Device(c10::kCPU);  // not reached
 }
 

@@ -65,6 +65,10 @@ void Work::synchronize() {
   if (impl_->finished) {
     return;
   }
+  if (impl_->synchronizeWaits) {
+    wait();
+    return;
+  }
   if (impl_->work) {
     WaitSpan span(impl_->waitTimer);
     try {

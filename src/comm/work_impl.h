@@ -16,6 +16,9 @@ struct Work::Impl {
   std::function<void()> onComplete;
   std::string description;
   bool finished = false;
+  /// synchronize() waits as wait() does: Gloo's collectives complete on the host, where
+  /// c10d's synchronize() returns at once, before what runs on completion may.
+  bool synchronizeWaits = false;
   /// Marks wait() and synchronize() as waiting (Communicator::setWaitTimer).
   StepTimer* waitTimer = nullptr;
 };

@@ -5,18 +5,28 @@
 #include "hddp/core/logging.h"
 
 namespace hddp {
+namespace {
+
+c10::DeviceType checkedDevice(c10::DeviceType device) {
+  HDDP_CHECK(compat::autocastAvailable(device), "AutocastGuard: LibTorch has no autocast for ",
+             c10::DeviceTypeName(device),
+             " devices (it has for CPU, CUDA and other accelerators "
+             "it knows, e.g. a PrivateUse1 backend)");
+  return device;
+}
+
+}  // namespace
 
 c10::ScalarType AutocastGuard::defaultDtype(c10::DeviceType device) {
-  return device == c10::kCUDA ? c10::kHalf : c10::kBFloat16;
+  // GPUs train in float16 (with a GradScaler) by default, as PyTorch; CPUs in bfloat16.
+  return device == c10::kCPU ? c10::kBFloat16 : c10::kHalf;
 }
 
 AutocastGuard::AutocastGuard(c10::DeviceType device, std::optional<c10::ScalarType> dtype,
                              bool enabled)
-    : device_(device),
+    : device_(checkedDevice(device)),
       previousEnabled_(compat::autocastEnabled(device)),
       previousDtype_(compat::autocastDtype(device)) {
-  HDDP_CHECK(device == c10::kCPU || device == c10::kCUDA,
-             "AutocastGuard supports CPU and CUDA devices, got ", c10::DeviceTypeName(device));
   const c10::ScalarType target = dtype.value_or(defaultDtype(device));
   HDDP_CHECK(target == c10::kBFloat16 || target == c10::kHalf,
              "AutocastGuard: autocast dtype must be bfloat16 or float16, got ", target);

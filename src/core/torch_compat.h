@@ -21,7 +21,11 @@ inline c10::ScalarType autocastDtype(c10::DeviceType d) {
 inline void setAutocastDtype(c10::DeviceType d, c10::ScalarType t) {
   at::autocast::set_autocast_dtype(d, t);
 }
+/// Whether LibTorch has autocast for `d`: CPU, CUDA, and the other accelerators it knows
+/// (XPU, MPS, a PrivateUse1 backend such as hddp::emu, ...).
+inline bool autocastAvailable(c10::DeviceType d) { return at::autocast::is_autocast_available(d); }
 #else
+inline bool autocastAvailable(c10::DeviceType d) { return d == c10::kCPU || d == c10::kCUDA; }
 inline bool autocastEnabled(c10::DeviceType d) {
   return d == c10::kCPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
 }

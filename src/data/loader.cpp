@@ -52,7 +52,9 @@ class PrefetchLoader::Impl {
                   "LoaderOptions: workers must be >= 0 and depth >= 1, got workers=",
                   options_.workers, " depth=", options_.depth);
     onDevice_ = options_.device.type() != c10::kCPU;
-    pinned_ = onDevice_ && options_.device.is_cuda() && options_.pinMemory;
+    // Pinned host batches for any device (CUDA, or an accelerator such as hddp::emu):
+    // only from pinned memory is the side-stream copy asynchronous.
+    pinned_ = onDevice_ && options_.pinMemory;
     consumed_ = sampler_.state();
     for (int i = 0; i < options_.workers; ++i) {
       workers_.emplace_back([this] { workerLoop(); });

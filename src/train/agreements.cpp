@@ -29,7 +29,8 @@ void Trainer::Impl::updateTimeBudget() {
   // The job's budget: training seconds and steps since it started, earlier generations
   // of a restarted job included, so the end and the schedule are an undisturbed run's.
   const double elapsed = budgetSecondsBefore_ + seconds(fitStart_, Clock::now());
-  at::Tensor t = at::tensor({elapsed, elapsed - evaluationSeconds_}, at::kDouble).to(device_);
+  at::Tensor t =
+      at::tensor({elapsed, elapsed - evaluationSeconds_}, at::kDouble).to(comm_.device());
   comm_.allreduce(t, {ReduceOp::Max}).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   t = t.cpu();
@@ -66,7 +67,7 @@ void Trainer::Impl::agreeAtCommit(const TrainSummary& summary) {
                              static_cast<double>(std::max<int64_t>(1, step_ - lastCommitStep_));
   const bool reform = train::reformRequested() || train::reformFileExists(elastic_.dir);
   at::Tensor t =
-      at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(device_);
+      at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(comm_.device());
   comm_.allreduce(t, {ReduceOp::Max}).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   t = t.cpu();

@@ -70,8 +70,8 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
 void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
                              TrainSummary& summary) {
   // The epoch's mean training loss over every rank's samples.
-  at::Tensor sums =
-      at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble).to(device_);
+  at::Tensor sums = at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble)
+                        .to(comm_.device());
   comm_.allreduce(sums).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   sums = sums.cpu();

@@ -71,7 +71,35 @@ double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-void checkOptions(const TrainerOptions& o, const Dataset* train, const Communicator& comm) {
+// The rank's device is where its model is: what InitOptions::device, --device,
+// HDDP_DEVICE or the launcher chose, and the model was moved to. Not the communicator's
+// device, which under Gloo is the CPU (where it stages tensors) whatever the rank
+// computes on. A model without tensors computes where the communicator is.
+c10::Device modelDevice(const torch::nn::Module* model, const Communicator& comm) {
+  if (model == nullptr) {
+    return comm.device();
+  }
+  std::optional<c10::Device> device;
+  std::string first;
+  for (const auto& tensors :
+       {model->named_parameters(/*recurse=*/true), model->named_buffers(/*recurse=*/true)}) {
+    for (const auto& item : tensors) {
+      const at::Tensor& t = item.value();
+      if (!device) {
+        device = t.device();
+        first = item.key();
+      }
+      HDDP_CHECK_AS(ConfigError, t.device() == *device, "Trainer: the model is on more than one ",
+                    "device (", first, " on ", device->str(), ", ", item.key(), " on ",
+                    t.device().str(), "); move the whole model (net->to(device)) to the rank's ",
+                    "device first");
+    }
+  }
+  return device.value_or(comm.device());
+}
+
+void checkOptions(const TrainerOptions& o, const Dataset* train, const Communicator& comm,
+                  const c10::Device& device) {
   HDDP_CHECK_AS(ConfigError, train != nullptr && train->size() > 0,
                 "Trainer needs a non-empty training dataset");
   HDDP_CHECK_AS(ConfigError, o.globalBatch >= comm.size(), "global batch ", o.globalBatch,
@@ -84,8 +112,14 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
   HDDP_CHECK_AS(ConfigError, o.globalBatch <= train->size() || !o.loader.sampler.dropLast,
                 "global batch ", o.globalBatch, " exceeds the dataset (", train->size(),
                 " samples) with dropLast: no step would run");
-  HDDP_CHECK_AS(ConfigError, o.amp != AmpMode::Fp16 || comm.device().is_cuda(),
-                "fp16 mixed precision needs a CUDA device; on CPU use bf16");
+  HDDP_CHECK_AS(ConfigError, comm.backend() != Backend::Nccl || device == comm.device(),
+                "the model is on ", device.str(), " but this rank's NCCL communicator is bound to ",
+                comm.device().str(),
+                ": move the model to the rank's device (InitOptions::device, "
+                "--device, HDDP_DEVICE)");
+  HDDP_CHECK_AS(ConfigError, o.amp != AmpMode::Fp16 || !device.is_cpu(),
+                "fp16 mixed precision needs a GPU (this rank's model is on ", device.str(),
+                "); on a CPU use bf16");
 }
 
 // How often the launcher restarted this program: TORCHELASTIC_RESTART_COUNT (hddp-run,
@@ -141,7 +175,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       loss_(std::move(loss)),
       optimizer_(optimizer),
       options_(std::move(options)),
-      device_(comm.device()),
+      device_(modelDevice(model_.get(), comm)),
       timeline_(!options_.timelinePath.empty()) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
@@ -149,7 +183,11 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   if (elastic_.enabled && options_.saveDir.empty()) {
     options_.saveDir = elastic_.dir;  // commits go where the launcher says (hddp-run)
   }
-  checkOptions(options_, train.get(), comm);
+  checkOptions(options_, train.get(), comm, device_);
+  HDDP_LOG_INFO("train", "rank ", comm.rank(), " trains on ", device_.str(),
+                comm.device() != device_ ? " (" + std::string(backendName(comm.backend())) +
+                                               " communicates from " + comm.device().str() + ")"
+                                         : std::string());
   checkOptimizerListsEachTensorOnce(optimizer_, *model_);
   const int rank = comm.rank();
   if (options_.amp == AmpMode::Bf16 &&
@@ -547,7 +585,7 @@ TrainSummary Trainer::Impl::fit() {
 }
 
 void Trainer::Impl::barrier() {
-  at::Tensor t = at::zeros({1}, at::TensorOptions().device(device_));
+  at::Tensor t = at::zeros({1}, at::TensorOptions().device(comm_.device()));
   comm_.allreduce(t).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
 }
@@ -567,6 +605,8 @@ void Trainer::load(const std::string& fileOrDirectory) { impl_->load(fileOrDirec
 int64_t Trainer::step() const { return impl_->step_; }
 int64_t Trainer::epoch() const { return impl_->epoch_; }
 DistributedDataParallel& Trainer::ddp() { return *impl_->ddp_; }
+
+c10::Device Trainer::device() const { return impl_->device_; }
 BatchPlanner* Trainer::planner() { return impl_->planner_.get(); }
 
 AmpMode Trainer::ampMode() const { return impl_->options_.amp; }

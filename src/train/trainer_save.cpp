@@ -15,7 +15,7 @@
 namespace hddp {
 
 train::StateParts Trainer::Impl::stateParts() {
-  return train::StateParts{comm_, *model_, optimizer_, *scaler_, planner_.get()};
+  return train::StateParts{comm_, device_, *model_, optimizer_, *scaler_, planner_.get()};
 }
 
 std::string Trainer::Impl::save() {
@@ -31,8 +31,8 @@ std::string Trainer::Impl::save() {
   meta.globalBatch = options_.globalBatch;
   if (midEpoch_) {
     // The epoch's loss so far over every rank's samples (each rank holds its own).
-    at::Tensor sums =
-        at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble).to(device_);
+    at::Tensor sums = at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble)
+                          .to(comm_.device());
     comm_.allreduce(sums).wait();
     comm_.synchronize();  // the host reads it next (Communicator::synchronize)
     sums = sums.cpu();

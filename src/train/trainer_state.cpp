@@ -100,7 +100,7 @@ std::vector<uint8_t> rankBlob(const StateParts& parts) {
   OutputArchive a;
   a.write("member", at::tensor(std::vector<int64_t>{memberId(parts.comm.rank())}, at::kLong));
   a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));
-  const c10::Device device = parts.comm.device();
+  const c10::Device device = parts.device;
   if (device.type() != c10::kCPU) {
     a.write("device_rng", generatorState(at::globalContext().defaultGenerator(device)));
   }
@@ -157,7 +157,7 @@ void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* pla
   if (hasOwn) {
     mine = savedBlob(file, source, path);
     setGeneratorState(at::detail::getDefaultCPUGenerator(), readTensor(mine, "cpu_rng", path));
-    const c10::Device device = parts.comm.device();
+    const c10::Device device = parts.device;
     at::Tensor deviceRng;
     if (device.type() != c10::kCPU && mine.try_read("device_rng", deviceRng)) {
       setGeneratorState(at::globalContext().defaultGenerator(device), deviceRng);
@@ -217,6 +217,31 @@ std::string chooseStateFile(Communicator& comm, const std::string& fileOrDirecto
   return decided;
 }
 
+// The loaded optimizer state (on the host) goes to each parameter's device, as PyTorch's
+// Optimizer.load_state_dict casts it: a momentum buffer of rank 0's cuda:0 must not stay
+// on the host or on cuda:0 for a rank training on cuda:1. Any optimizer's per-parameter
+// state moves through its own serialization (an archive loaded onto the device), so
+// LBFGS and users' optimizers move as SGD and Adam do.
+void moveOptimizerStateToParameters(torch::optim::Optimizer& optimizer) {
+  auto& state = optimizer.state();
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const auto it = state.find(p.unsafeGetTensorImpl());
+      if (it == state.end() || !it->second || p.device().is_cpu()) {
+        continue;  // loaded onto the host already
+      }
+      OutputArchive out;
+      it->second->serialize(out);
+      std::ostringstream bytes;
+      out.save_to(bytes);
+      std::istringstream in(bytes.str());
+      InputArchive onDevice;
+      onDevice.load_from(in, p.device());
+      it->second->serialize(onDevice);
+    }
+  }
+}
+
 // Model, buffers, optimizer and scaler: copied into what the Trainer already holds.
 void loadModelAndOptimizer(const StateParts& parts, InputArchive& archive,
                            const std::string& path) {
@@ -239,6 +264,7 @@ void loadModelAndOptimizer(const StateParts& parts, InputArchive& archive,
     InputArchive optimizerArchive;
     readArchive(archive, "optimizer", optimizerArchive, path);
     parts.optimizer.load(optimizerArchive);
+    moveOptimizerStateToParameters(parts.optimizer);
     InputArchive scalerArchive;
     readArchive(archive, "scaler", scalerArchive, path);
     parts.scaler.load(scalerArchive);
@@ -318,8 +344,10 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     }
     throw;
   }
+  // Every tensor onto the host first: the file holds rank 0's optimizer state on rank 0's
+  // device (cuda:0, emu:0), which this rank may not have or not use.
   InputArchive archive;
-  archive.load_from(payload.data(), payload.size());
+  archive.load_from(payload.data(), payload.size(), c10::Device(c10::kCPU));
   loaded.meta = decode(readTensor(archive, "meta", path), path);
   at::Tensor progress;
   if (archive.try_read("progress", progress) && progress.numel() == 7) {

@@ -73,6 +73,9 @@ struct StateMeta {
 /// The Trainer's parts a state file holds (planner: null with the equal split).
 struct StateParts {
   Communicator& comm;
+  /// The rank's own device (its model's), whose RNG travels in the rank's part; not the
+  /// communicator's, which is the CPU under Gloo whatever the rank computes on.
+  c10::Device device;
   torch::nn::Module& model;
   torch::optim::Optimizer& optimizer;
   GradScaler& scaler;

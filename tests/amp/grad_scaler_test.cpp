@@ -8,6 +8,7 @@
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 
 namespace {
@@ -200,26 +201,24 @@ TEST(GradScaler, ARankWithoutSamplesBeforeItsFirstScaleStepsWithTheOthers) {
   }
 }
 
-TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
-  }
+// fp16 autocast on a device: an initial scale that overflows float16 makes the scaler
+// skip steps and back off, then training goes on.
+void fp16TrainingSkipsOverflowAndRecovers(const c10::Device& device) {
   torch::manual_seed(0);
   torch::nn::Linear model(32, 4);
-  model->to(torch::kCUDA);
+  model->to(device);
   torch::optim::SGD opt(model->parameters(), 0.01);
   hddp::GradScalerOptions o;
   o.initScale = 1e30;  // overflows float16 at once: the scaler must back off
   hddp::GradScaler scaler(o);
-  auto x = torch::randn({64, 32}, torch::kCUDA);
-  auto y =
-      torch::randint(0, 4, {64}, torch::TensorOptions().device(torch::kCUDA).dtype(torch::kLong));
+  auto x = torch::randn({64, 32}).to(device);
+  auto y = torch::randint(0, 4, {64}, torch::TensorOptions().dtype(torch::kLong)).to(device);
   int skipped = 0;
   for (int s = 0; s < 200; ++s) {
     opt.zero_grad();
     torch::Tensor loss;
     {
-      hddp::AutocastGuard amp(c10::kCUDA);
+      hddp::AutocastGuard amp(device.type());
       loss = torch::cross_entropy_loss(model(x), y);
       EXPECT_EQ(model(x).scalar_type(), torch::kHalf);
     }
@@ -230,19 +229,17 @@ TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {
   EXPECT_GT(skipped, 0);
   EXPECT_LT(scaler.currentScale(), 1e30);
   EXPECT_LT(skipped, 200);
+  EXPECT_EQ(model->weight.device(), device);
 }
 
-TEST(GradScaler, Bf16AutocastTrainsWithoutScaler_CUDA) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
-  }
+void bf16AutocastTrainsWithoutScaler(const c10::Device& device) {
   torch::manual_seed(0);
   torch::nn::Sequential model(torch::nn::Linear(32, 64), torch::nn::ReLU(),
                               torch::nn::Linear(64, 4));
-  model->to(torch::kCUDA);
+  model->to(device);
   torch::optim::SGD opt(model->parameters(), 0.05);
   hddp::GradScaler disabled(hddp::GradScalerOptions{65536.0, 2.0, 0.5, 2000, /*enabled=*/false});
-  auto x = torch::randn({128, 32}, torch::kCUDA);
+  auto x = torch::randn({128, 32}).to(device);
   auto y = (x.sum(1) > 0).to(torch::kLong);
   double first = 0;
   double last = 0;
@@ -250,7 +247,7 @@ TEST(GradScaler, Bf16AutocastTrainsWithoutScaler_CUDA) {
     opt.zero_grad();
     torch::Tensor loss;
     {
-      hddp::AutocastGuard amp(c10::kCUDA, c10::kBFloat16);
+      hddp::AutocastGuard amp(device.type(), c10::kBFloat16);
       auto out = model->forward(x);
       EXPECT_EQ(out.scalar_type(), torch::kBFloat16);
       loss = torch::cross_entropy_loss(out, y);
@@ -261,6 +258,28 @@ TEST(GradScaler, Bf16AutocastTrainsWithoutScaler_CUDA) {
     (s == 0 ? first : last) = loss.item<double>();
   }
   EXPECT_LT(last, 0.7 * first);
+}
+
+TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  fp16TrainingSkipsOverflowAndRecovers(c10::Device(c10::kCUDA, 0));
+}
+
+TEST(GradScaler, Fp16TrainingSkipsOverflowAndRecovers_Emu) {
+  fp16TrainingSkipsOverflowAndRecovers(hddp::testing::emulatedDevice(0));
+}
+
+TEST(GradScaler, Bf16AutocastTrainsWithoutScaler_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  bf16AutocastTrainsWithoutScaler(c10::Device(c10::kCUDA, 0));
+}
+
+TEST(GradScaler, Bf16AutocastTrainsWithoutScaler_Emu) {
+  bf16AutocastTrainsWithoutScaler(hddp::testing::emulatedDevice(0));
 }
 
 }  // namespace

@@ -1,12 +1,14 @@
 #include "hddp/checkpoint/checkpoint.h"
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 
 namespace {
@@ -56,32 +58,69 @@ TEST(Checkpoint, SequentialGradientsAreBitEqualWithDropout) {
   EXPECT_TRUE(torch::equal(a, b));
 }
 
-TEST(Checkpoint, FunctionFormUnderBf16Autocast) {
+// The checkpointed function's gradients equal the plain function's under autocast: the
+// recomputation in backward runs with the forward's autocast state (on a device, the
+// autograd engine's device thread has none of its own).
+void functionFormUnderAutocast(const c10::Device& device, c10::ScalarType dtype) {
   torch::manual_seed(1);
   torch::nn::Linear l1(6, 6);
   torch::nn::Linear l2(6, 2);
-  auto x = torch::randn({4, 6}, torch::requires_grad());
+  l1->to(device);
+  l2->to(device);
+  auto x = torch::randn({4, 6}).to(device).requires_grad_();
   auto run = [&](bool useCheckpoint) {
     for (auto& p : l1->parameters()) p.mutable_grad() = torch::Tensor();
     for (auto& p : l2->parameters()) p.mutable_grad() = torch::Tensor();
     x.mutable_grad() = torch::Tensor();
     torch::Tensor y;
     {
-      hddp::AutocastGuard amp(c10::kCPU);
+      hddp::AutocastGuard amp(device.type(), dtype);
       auto body = [&](const std::vector<torch::Tensor>& in) {
         return std::vector<torch::Tensor>{torch::gelu(l1(in[0]))};
       };
       auto h = useCheckpoint ? hddp::checkpoint(body, {x}, l1->parameters())[0] : body({x})[0];
-      EXPECT_EQ(h.scalar_type(), torch::kBFloat16);
+      EXPECT_EQ(h.scalar_type(), dtype);
       y = l2(h).to(torch::kFloat).sum();
     }
     y.backward();
-    return std::make_pair(x.grad().clone(), l1->weight.grad().clone());
+    return std::make_pair(x.grad().cpu().clone(), l1->weight.grad().cpu().clone());
   };
   auto plain = run(false);
   auto ckpt = run(true);
-  EXPECT_TRUE(torch::equal(plain.first, ckpt.first));
+  EXPECT_TRUE(torch::equal(plain.first, ckpt.first)) << plain.first << ckpt.first;
   EXPECT_TRUE(torch::equal(plain.second, ckpt.second));
+}
+
+TEST(Checkpoint, FunctionFormUnderBf16Autocast) {
+  functionFormUnderAutocast(c10::Device(c10::kCPU), c10::kBFloat16);
+}
+
+// Before, only the CPU's and CUDA's autocast state was restored for the recomputation:
+// on any other accelerator it ran in float32 and the gradients differed.
+TEST(Checkpoint, FunctionFormUnderFp16Autocast_Emu) {
+  functionFormUnderAutocast(hddp::testing::emulatedDevice(0), c10::kHalf);
+}
+
+// After a checkpointed step the random generators are where a plain step leaves them:
+// the recomputation replays the forward's draws and then puts every generator back. On
+// emu, whose generator is the CPU's, the restore once rewound the CPU generator to the
+// forward's state, so every later step repeated its dropout masks.
+TEST(Checkpoint, TheGeneratorsMoveOnAsWithoutCheckpointing_Emu) {
+  const c10::Device device = hddp::testing::emulatedDevice(0);
+  torch::nn::Linear l1(8, 8);
+  l1->to(device);
+  torch::nn::Dropout drop(0.5);
+  auto x = torch::randn({4, 8}).to(device).requires_grad_();
+  auto body = [&](const std::vector<torch::Tensor>& in) {
+    return std::vector<torch::Tensor>{drop(l1(in[0]))};
+  };
+  auto after = [&](bool useCheckpoint) {
+    torch::manual_seed(5);
+    auto y = useCheckpoint ? hddp::checkpoint(body, {x}, l1->parameters())[0] : body({x})[0];
+    y.sum().backward();
+    return torch::rand({4});
+  };
+  EXPECT_TRUE(torch::equal(after(false), after(true)));
 }
 
 // The recomputation in backward runs under autocast; its low-precision weight casts
@@ -175,39 +214,52 @@ TEST(Checkpoint, GradientsReachDdpBucketsAndMatchPlainDdp) {
   });
 }
 
-// Peak allocated CUDA memory of one training step of a deep MLP-like Sequential with and
-// without checkpointing (the caching allocator's statistics are exact, not timing).
-int64_t peakStepBytes_CUDA(bool useCheckpoint) {
+// Peak allocated device memory of one training step of a deep MLP-like Sequential with
+// and without checkpointing (the allocator's statistics are exact, not timing).
+int64_t peakStepBytes(const c10::Device& device, int64_t batch, int64_t width, bool useCheckpoint) {
   torch::manual_seed(0);
   torch::nn::Sequential seq;
   for (int i = 0; i < 16; ++i) {
-    seq->push_back(torch::nn::Linear(1024, 1024));
+    seq->push_back(torch::nn::Linear(width, width));
     seq->push_back(torch::nn::GELU());
   }
-  seq->to(torch::kCUDA);
+  seq->to(device);
   hddp::CheckpointedSequential ckpt(seq, 8);
-  auto x = torch::randn({4096, 1024}, torch::kCUDA);
-  auto* allocator = c10::getDeviceAllocator(c10::kCUDA);
-  torch::cuda::synchronize();
-  allocator->resetPeakStats(0);
+  auto x = torch::randn({batch, width}).to(device);
+  auto* allocator = c10::getDeviceAllocator(device.type());
+  c10::impl::VirtualGuardImpl guard(device.type());
+  guard.synchronizeDevice(device.index());
+  allocator->resetPeakStats(device.index());
   const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
-  const int64_t before = allocator->getDeviceStats(0).allocated_bytes[aggregate].current;
+  const int64_t before =
+      allocator->getDeviceStats(device.index()).allocated_bytes[aggregate].current;
   auto y = useCheckpoint ? ckpt->forward(x) : seq->forward(x);
   y.pow(2).mean().backward();
-  torch::cuda::synchronize();
-  return allocator->getDeviceStats(0).allocated_bytes[aggregate].peak - before;
+  guard.synchronizeDevice(device.index());
+  return allocator->getDeviceStats(device.index()).allocated_bytes[aggregate].peak - before;
+}
+
+// The activations (32 of batch x width floats) must outweigh the weights' gradients
+// (16 x width^2 floats), which checkpointing does not save.
+void peakActivationMemoryDrops(const c10::Device& device, int64_t batch, int64_t width) {
+  const int64_t plain = peakStepBytes(device, batch, width, false);
+  const int64_t ckpt = peakStepBytes(device, batch, width, true);
+  std::printf("peak step memory on %s: plain %lld MiB, checkpointed %lld MiB\n",
+              device.str().c_str(), static_cast<long long>(plain >> 20),
+              static_cast<long long>(ckpt >> 20));
+  // 32 activations in the plain model vs ~8 segment inputs plus one segment's.
+  EXPECT_LT(static_cast<double>(ckpt), 0.6 * static_cast<double>(plain));
 }
 
 TEST(Checkpoint, PeakActivationMemoryDrops_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
   }
-  const int64_t plain = peakStepBytes_CUDA(false);
-  const int64_t ckpt = peakStepBytes_CUDA(true);
-  std::printf("peak step memory: plain %lld MiB, checkpointed %lld MiB\n",
-              static_cast<long long>(plain >> 20), static_cast<long long>(ckpt >> 20));
-  // 32 activations of 16 MiB in the plain model vs ~8 segment inputs plus one segment's.
-  EXPECT_LT(static_cast<double>(ckpt), 0.6 * static_cast<double>(plain));
+  peakActivationMemoryDrops(c10::Device(c10::kCUDA, 0), 4096, 1024);
+}
+
+TEST(Checkpoint, PeakActivationMemoryDrops_Emu) {
+  peakActivationMemoryDrops(hddp::testing::emulatedDevice(0), 2048, 256);
 }
 
 }  // namespace

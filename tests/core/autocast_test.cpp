@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "hddp/core/error.h"
+#include "support/emulated_device.h"
 
 namespace {
 
@@ -54,22 +55,34 @@ TEST(Autocast, DefaultDtypes) {
   EXPECT_EQ(hddp::AutocastGuard::defaultDtype(c10::kCUDA), c10::kHalf);
 }
 
+void fp16Linear(const c10::Device& device) {
+  torch::nn::Linear linear(8, 4);
+  linear->to(device);
+  auto x = torch::randn({2, 8}).to(device);
+  {
+    hddp::AutocastGuard guard(device.type());
+    EXPECT_EQ(linear(x).scalar_type(), torch::kHalf);
+  }
+  {
+    hddp::AutocastGuard guard(device.type(), c10::kBFloat16);
+    EXPECT_EQ(linear(x).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_EQ(linear(x).scalar_type(), torch::kFloat32);
+}
+
 TEST(Autocast, Fp16Linear_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
   }
-  torch::nn::Linear linear(8, 4);
-  linear->to(torch::kCUDA);
-  auto x = torch::randn({2, 8}, torch::kCUDA);
-  {
-    hddp::AutocastGuard guard(c10::kCUDA);
-    EXPECT_EQ(linear(x).scalar_type(), torch::kHalf);
-  }
-  {
-    hddp::AutocastGuard guard(c10::kCUDA, c10::kBFloat16);
-    EXPECT_EQ(linear(x).scalar_type(), torch::kBFloat16);
-  }
-  EXPECT_EQ(linear(x).scalar_type(), torch::kFloat32);
+  fp16Linear(c10::Device(c10::kCUDA, 0));
+}
+
+// An accelerator LibTorch knows besides CUDA (here hddp::emu, a PrivateUse1 backend)
+// gets autocast too; the guard refused every device but CPU and CUDA before.
+TEST(Autocast, Fp16Linear_Emu) {
+  const c10::Device device = hddp::testing::emulatedDevice(0);
+  EXPECT_EQ(hddp::AutocastGuard::defaultDtype(device.type()), c10::kHalf);
+  fp16Linear(device);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "hddp/balance/batch_plan.h"
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
+#include "support/emulated_device.h"
 
 namespace {
 
@@ -267,26 +268,71 @@ TEST(Loader, BadOptionsAreRefused) {
 
 // ---- CUDA -----------------------------------------------------------------------------
 
-TEST(Loader, DeviceBatchesMatchHostBatches_CUDA) {
-  if (!torch::cuda::is_available()) {
-    GTEST_SKIP() << "no CUDA device";
-  }
+// Batches on a device equal the host's, copied on the loader's side stream.
+void deviceBatchesMatchHostBatches(const c10::Device& dev) {
   auto ds = indexImages(50);
   hddp::LoaderOptions o;
   o.workers = 2;
   hddp::PrefetchLoader host(ds, 0, o);
-  o.device = c10::Device(c10::kCUDA, 0);
+  o.device = dev;
   hddp::PrefetchLoader device(ds, 0, o);
   host.startEpoch(0, plan({8}));
   device.startEpoch(0, plan({8}));
   while (auto h = host.next()) {
     auto d = device.next();
     ASSERT_TRUE(d);
-    EXPECT_TRUE(d->input.is_cuda());
+    EXPECT_EQ(d->input.device(), dev);
     EXPECT_TRUE(at::equal(d->input.cpu(), h->input));
     EXPECT_TRUE(at::equal(d->target.cpu(), h->target));
   }
   EXPECT_FALSE(device.next());
+}
+
+TEST(Loader, DeviceBatchesMatchHostBatches_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  deviceBatchesMatchHostBatches(c10::Device(c10::kCUDA, 0));
+}
+
+// On emu the side-stream copy runs later, on the stream's own thread, and a use that
+// is not ordered after it throws: the batches are right only if the loader makes the
+// compute stream wait for its copy (and records the batch on it).
+TEST(Loader, DeviceBatchesMatchHostBatches_Emu) {
+  const c10::Device dev = hddp::testing::emulatedDevice(0);
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(5));
+  deviceBatchesMatchHostBatches(dev);
+  hddp::emu::checkNoViolations();
+}
+
+// The copy of the next batch is queued on the side stream when next() returns the
+// current one (pinned memory: an asynchronous copy) and runs while the host computes
+// on the current batch: the next next() finds it done. Each queued copy waits 200 ms,
+// so without the overlap the second next() would wait >= 400 ms (input and target).
+TEST(Loader, CopyOverlapsCompute_Emu) {
+  const c10::Device dev = hddp::testing::emulatedDevice(0);
+  auto ds = indexImages(64);
+  hddp::LoaderOptions o;
+  o.workers = 2;
+  o.depth = 2;
+  o.device = dev;
+  hddp::PrefetchLoader loader(ds, 0, o);
+  loader.startEpoch(0, plan({16}));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // batches 0 and 1 on the host
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(200));
+  auto batch0 = loader.next();  // batch 0 copied; batch 1's copy queued on the side stream
+  ASSERT_TRUE(batch0 && batch0->copied);
+  std::this_thread::sleep_for(std::chrono::milliseconds(900));  // the host "computes"
+  const auto before = std::chrono::steady_clock::now();
+  auto batch1 = loader.next();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count();
+  ASSERT_TRUE(batch1 && batch1->copied);
+  EXPECT_LT(waited, 0.3) << "batch 1's copy did not run while the host computed";
+  EXPECT_EQ(batch1->input.device(), dev);
+  EXPECT_EQ(batch1->input.size(0), 16);
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(0));
+  hddp::emu::checkNoViolations();
 }
 
 TEST(Loader, CopyOverlapsCompute_CUDA) {

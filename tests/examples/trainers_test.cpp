@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -26,6 +27,8 @@
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
 #include "hddp/topology/topology.h"
+#include "hddp/train/state_file.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 
 namespace fs = std::filesystem;
@@ -180,6 +183,57 @@ TEST(ExampleTrainers, SaveEveryUnderAnElasticJobCommitsToTheJobFolder) {
             std::string::npos)
       << again.output;
   removeTree(dir);
+}
+
+// The model's tensors in a state file the trainer wrote ("model.<name>"), on the CPU.
+std::map<std::string, at::Tensor> modelInStateFile(const std::string& path) {
+  const std::string payload = hddp::readStateFile(path);
+  torch::serialize::InputArchive archive;
+  archive.load_from(payload.data(), payload.size(), c10::Device(c10::kCPU));
+  std::map<std::string, at::Tensor> model;
+  for (const auto& key : archive.keys()) {
+    if (key.rfind("model.", 0) == 0) {
+      at::Tensor t;
+      archive.read(key, t);
+      model[key] = t;
+    }
+  }
+  return model;
+}
+
+// A rank on an emulated accelerator next to a CPU rank, as `hddp-run --devices
+// cuda:0,cpu` runs a GPU next to a CPU: the trainer installs hddp::emu because a device
+// names it, says which device each rank is on, and trains to the parameters of the
+// same job on two CPU ranks (a fixed equal split, so both runs compute the same sums).
+TEST(ExampleTrainers, AnEmulatedDeviceRankNextToACpuRankTrainsAsTwoCpuRanks_Emu) {
+  hddp::testing::emulatedDevice(0);  // the state file names emu:0 (the optimizer's state)
+  std::vector<std::map<std::string, at::Tensor>> models;
+  for (const char* devices : {"cpu,cpu", "emu:0,cpu"}) {
+    const std::string dir = hddp::testing::makeTempDir();
+    auto r = hddp::testing::runCommand(
+        hddp::testing::toolsDir() + "/hddp-run --nproc-per-node 2 --devices " + devices + " -- " +
+        kResnet +
+        " --model resnet20 --dataset synthetic --image-size 16 --limit-train 640 --limit-test 64 "
+        "--global-batch 32 --max-steps 20 --workers 1 --threads 1 --no-balance --progress off "
+        "--save-dir " +
+        dir + " --save-every 20");
+    ASSERT_EQ(r.exitCode, 0) << r.output;
+    if (std::string(devices) == "emu:0,cpu") {
+      EXPECT_NE(r.output.find("rank 0 trains on emu:0 (gloo communicates from cpu)"),
+                std::string::npos)
+          << r.output;
+      EXPECT_NE(r.output.find("rank 1 trains on cpu"), std::string::npos) << r.output;
+    }
+    models.push_back(modelInStateFile(dir + "/state-00000020.hddp"));
+    removeTree(dir);
+  }
+  ASSERT_EQ(models[0].size(), models[1].size());
+  ASSERT_GT(models[0].size(), 10u);
+  for (const auto& [name, cpu] : models[0]) {
+    const at::Tensor& emu = models[1].at(name);
+    EXPECT_TRUE(torch::allclose(cpu, emu, 1e-4, 1e-5))
+        << name << ": largest difference " << (cpu - emu).abs().max().item<double>();
+  }
 }
 
 TEST(ExampleTrainers, ResnetOnFashionMnistWhenInstalled) {

@@ -128,11 +128,20 @@ std::string checkDevices(LaunchConfig& config, bool nprocGiven) {
     }
     const bool indexed = d.size() > 5 && d.size() <= 8 && d.rfind("cuda:", 0) == 0 &&
                          d.find_first_not_of("0123456789", 5) == std::string::npos;
+    // hddp::emu's emulated devices: each rank's process has its own, so ranks may name
+    // the same one; the rank checks that it installed emu and has that device.
+    const bool emulated = d == "emu" || (d.size() > 4 && d.size() <= 7 && d.rfind("emu:", 0) == 0 &&
+                                         d.find_first_not_of("0123456789", 4) == std::string::npos);
+    if (emulated) {
+      cuda.push_back("");
+      config.devices[static_cast<size_t>(i)] = d;
+      continue;
+    }
     if (d != "cpu" && d != "cuda" && !indexed) {
       return "--devices entry " + std::to_string(i) + " '" +
              config.devices[static_cast<size_t>(i)] +
-             "' is not a device; use cpu, cuda or cuda:N, one per local rank (e.g. "
-             "--devices cuda:0,cpu)";
+             "' is not a device; use cpu, cuda, cuda:N or emu:N (hddp::emu's emulated "
+             "accelerator), one per local rank (e.g. --devices cuda:0,cpu)";
     }
     if (d == "cuda") {
       d = "cuda:" + std::to_string(nextCuda);

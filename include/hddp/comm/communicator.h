@@ -1,7 +1,9 @@
 // Collective communication among the ranks of one job.
 //
-// One interface, two backends chosen at creation: Gloo (CPU tensors; CUDA tensors are
-// staged through host memory) and NCCL (CUDA tensors, on the current stream). Both are
+// One interface, two backends chosen at creation: Gloo (CPU tensors; tensors of any
+// other device are staged through host memory: CUDA ones by ProcessGroupGloo, others,
+// e.g. an emulated accelerator's, by a blocking copy to the host before the collective
+// and a copy back when it completes) and NCCL (CUDA tensors, on the current stream). Both are
 // LibTorch's own c10d backends, so no second copy of Gloo or NCCL enters the process.
 //
 // All ranks must issue the same collectives in the same order. Calls return a Work;
@@ -67,7 +69,8 @@ class Communicator {
   virtual Backend backend() const = 0;
   virtual std::chrono::milliseconds timeout() const = 0;
   /// Where this communicator's own tensors live: CPU for Gloo, the rank's CUDA device
-  /// for NCCL.
+  /// for NCCL. Not the device the rank computes on: a GPU rank under Gloo computes on
+  /// its GPU (the Trainer takes its device from the model).
   virtual c10::Device device() const = 0;
 
   /// In-place allreduce of one tensor. Avg on Gloo is a sum divided on wait().

@@ -15,7 +15,9 @@
 //                         hddp::crossEntropy(), optimizer, dataset, options);
 //   trainer.fit();
 //
-// The model must already be on the communicator's device. Every rank constructs the
+// The model must already be on the rank's device (cuda:0, emu:1, cpu: what --device,
+// HDDP_DEVICE or the launcher chose); the Trainer computes there, whatever device the
+// communicator stages its tensors on (the CPU under Gloo). Every rank constructs the
 // Trainer with the same options and calls fit(); rank 0 writes state files, all ranks
 // load them.
 #pragma once
@@ -215,6 +217,8 @@ class Trainer {
   /// evaluation callback knows the run is ending).
   bool stoppedEarly() const;
   DistributedDataParallel& ddp();
+  /// The device this rank trains on: its model's (not the communicator's).
+  c10::Device device() const;
   /// Null when options.balance is false.
   BatchPlanner* planner();
   /// The mixed precision this rank trains with: TrainerOptions::amp, or float32 where

@@ -19,6 +19,7 @@
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
 #include "hddp/train/state_file.h"
+#include "train/model_device.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
@@ -69,33 +70,6 @@ using Clock = Trainer::Impl::Clock;
 
 double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
-}
-
-// The rank's device is where its model is: what InitOptions::device, --device,
-// HDDP_DEVICE or the launcher chose, and the model was moved to. Not the communicator's
-// device, which under Gloo is the CPU (where it stages tensors) whatever the rank
-// computes on. A model without tensors computes where the communicator is.
-c10::Device modelDevice(const torch::nn::Module* model, const Communicator& comm) {
-  if (model == nullptr) {
-    return comm.device();
-  }
-  std::optional<c10::Device> device;
-  std::string first;
-  for (const auto& tensors :
-       {model->named_parameters(/*recurse=*/true), model->named_buffers(/*recurse=*/true)}) {
-    for (const auto& item : tensors) {
-      const at::Tensor& t = item.value();
-      if (!device) {
-        device = t.device();
-        first = item.key();
-      }
-      HDDP_CHECK_AS(ConfigError, t.device() == *device, "Trainer: the model is on more than one ",
-                    "device (", first, " on ", device->str(), ", ", item.key(), " on ",
-                    t.device().str(), "); move the whole model (net->to(device)) to the rank's ",
-                    "device first");
-    }
-  }
-  return device.value_or(comm.device());
 }
 
 void checkOptions(const TrainerOptions& o, const Dataset* train, const Communicator& comm,
@@ -175,7 +149,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       loss_(std::move(loss)),
       optimizer_(optimizer),
       options_(std::move(options)),
-      device_(modelDevice(model_.get(), comm)),
+      device_(train::modelDevice(model_.get(), comm)),
       timeline_(!options_.timelinePath.empty()) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
+#include <sstream>
 #include <thread>
 
 #include "cli_checks.h"
@@ -131,25 +132,51 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
 
 namespace {
 
-// Whether a device text ("emu:0", or a list "emu:0,cpu") names hddp's emulated
-// accelerator.
+// Whether a device name ("emu", "emu:1") names hddp's emulated accelerator.
 bool namesEmulator(std::string text) {
   std::transform(text.begin(), text.end(), text.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  for (size_t at = text.find("emu"); at != std::string::npos; at = text.find("emu", at + 1)) {
-    if (at == 0 || text[at - 1] == ',' || text[at - 1] == ' ') {
-      return true;
-    }
-  }
-  return false;
+  text.erase(0, text.find_first_not_of(" \t"));
+  return text == "emu" || text.rfind("emu:", 0) == 0;
 }
 
-// Installs hddp::emu (HDDP_EMU_* configure it) when this rank's device or the job's
-// device list names it, and only then: with emu installed, LibTorch pins host memory
-// for emu instead of CUDA.
-void installEmulatorIfNamed(const CommonFlags& flags) {
+// The device text this rank resolves its device from, as hddp::resolveDevice reads it:
+// --device, else this local rank's entry of HDDP_DEVICE (the whole text when it names one
+// device for all, every entry when LOCAL_RANK does not pick one, which resolveDevice
+// then reports).
+std::vector<std::string> rankDeviceTexts(const CommonFlags& flags) {
+  if (!flags.device.empty()) {
+    return {flags.device};
+  }
   const char* list = std::getenv("HDDP_DEVICE");
-  if (!namesEmulator(flags.device) && !(list && namesEmulator(list))) {
+  if (list == nullptr) {
+    return {};
+  }
+  std::vector<std::string> entries;
+  std::stringstream in(list);
+  for (std::string entry; std::getline(in, entry, ',');) {
+    entries.push_back(entry);
+  }
+  const char* localRank = std::getenv("LOCAL_RANK");
+  if (entries.size() > 1 && localRank != nullptr) {
+    try {
+      const size_t r = std::stoul(localRank);
+      if (r < entries.size()) {
+        return {entries[r]};
+      }
+    } catch (const std::exception&) {
+      // a malformed LOCAL_RANK: the launch information reports it
+    }
+  }
+  return entries;
+}
+
+// Installs hddp::emu (HDDP_EMU_* configure it) when this rank's device is emu, and only
+// then: with emu installed, LibTorch pins host memory for emu instead of CUDA, so a CUDA
+// rank of a job whose other rank is on emu must not install it.
+void installEmulatorIfNamed(const CommonFlags& flags) {
+  const auto texts = rankDeviceTexts(flags);
+  if (std::none_of(texts.begin(), texts.end(), namesEmulator)) {
     return;
   }
 #ifdef HDDP_EXAMPLES_WITH_EMU
@@ -183,10 +210,18 @@ int applyThreads(const CommonFlags& flags, const DistributedContext& ctx) {
     // on the cores, the GPU ranks mostly launch kernels; each GPU rank keeps one core.
     const char* list = std::getenv("HDDP_DEVICE");
     if (ctx.device.is_cpu() && list && std::string(list).find(',') != std::string::npos) {
-      const auto devices = parseDeviceList(list, "HDDP_DEVICE");
-      const auto cpuRanks = std::count_if(devices.begin(), devices.end(),
-                                          [](const c10::Device& d) { return d.is_cpu(); });
-      const int gpuRanks = static_cast<int>(devices.size()) - static_cast<int>(cpuRanks);
+      // By the entries' text: another rank's device (emu) need not be known here.
+      std::vector<std::string> entries;
+      std::stringstream in(list);
+      for (std::string entry; std::getline(in, entry, ',');) {
+        entry.erase(0, entry.find_first_not_of(" \t"));
+        entry.erase(entry.find_last_not_of(" \t") + 1);
+        std::transform(entry.begin(), entry.end(), entry.begin(),
+                       [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+        entries.push_back(entry);
+      }
+      const auto cpuRanks = std::count(entries.begin(), entries.end(), std::string("cpu"));
+      const int gpuRanks = static_cast<int>(entries.size()) - static_cast<int>(cpuRanks);
       if (gpuRanks > 0 && cores > gpuRanks) {
         threads = std::max(1, (cores - gpuRanks) / static_cast<int>(cpuRanks));
       }

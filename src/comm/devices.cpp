@@ -121,13 +121,50 @@ c10::Device parseDeviceName(const std::string& text, const std::string& source) 
   return c10::Device(c10::kCPU);  // not reached
 }
 
+namespace {
+
+// Whether `text` reads as hddp::emu's device name ("emu", "emu:N").
+bool namesEmu(const std::string& text) {
+  const std::string t = lower(trimmed(text));
+  if (t == "emu") {
+    return true;
+  }
+  return t.rfind("emu:", 0) == 0 && t.size() > 4 && t.size() <= 7 &&
+         std::all_of(t.begin() + 4, t.end(), [](unsigned char c) { return std::isdigit(c); });
+}
+
+// parseDeviceList for the rank of entry `rankEntry` (-1: every entry is parsed as its
+// own): the other ranks' entries that name hddp::emu are taken as PrivateUse1 devices
+// without it being installed here, since only a rank on emu installs it (a CUDA rank next
+// to it keeps CUDA's pinned memory).
+std::vector<c10::Device> parseDeviceListFor(const std::string& text, const std::string& source,
+                                            int rankEntry);
+
+}  // namespace
+
 std::vector<c10::Device> parseDeviceList(const std::string& text, const std::string& source) {
+  return parseDeviceListFor(text, source, -1);
+}
+
+namespace {
+
+std::vector<c10::Device> parseDeviceListFor(const std::string& text, const std::string& source,
+                                            int rankEntry) {
   std::vector<c10::Device> devices;
   c10::DeviceIndex nextCuda = 0;
   const auto parts = splitOn(text, ',');
   HDDP_CHECK_AS(ConfigError, !parts.empty(), source,
                 " is empty; give one device per local rank, e.g. cuda:0,cpu");
   for (size_t i = 0; i < parts.size(); ++i) {
+    if (rankEntry >= 0 && static_cast<int>(i) != rankEntry && namesEmu(parts[i]) &&
+        !c10::is_privateuse1_backend_registered()) {
+      const std::string t = lower(trimmed(parts[i]));
+      devices.push_back(t == "emu" ? c10::Device(c10::DeviceType::PrivateUse1)
+                                   : c10::Device(c10::DeviceType::PrivateUse1,
+                                                 static_cast<c10::DeviceIndex>(
+                                                     std::stoi(t.substr(4)))));
+      continue;
+    }
     c10::Device d = parseDeviceName(parts[i], c10::str(source, " entry ", i, " of '", text, "'"));
     if (d.is_cuda() && !d.has_index()) {
       d = c10::Device(c10::kCUDA, nextCuda);
@@ -139,6 +176,8 @@ std::vector<c10::Device> parseDeviceList(const std::string& text, const std::str
   }
   return devices;
 }
+
+}  // namespace
 
 c10::Device chooseDevice(const LaunchInfo& info, int cudaDeviceCount, bool allowShared) {
   if (cudaDeviceCount <= 0) {
@@ -173,7 +212,8 @@ c10::Device resolveDevice(const LaunchInfo& info, const std::optional<c10::Devic
   if (it == env.end() || trimmed(it->second).empty()) {
     return chooseDevice(info, cudaDeviceCount, allowShared);
   }
-  const std::vector<c10::Device> list = parseDeviceList(it->second, "HDDP_DEVICE");
+  const std::vector<c10::Device> list =
+      parseDeviceListFor(it->second, "HDDP_DEVICE", info.localRank);
   c10::Device d = list.front();
   std::string source = "HDDP_DEVICE=" + it->second;
   if (list.size() > 1) {

@@ -1,6 +1,8 @@
 #include "hddp/topology/topology.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 #include <torch/cuda.h>
 #include <unistd.h>
@@ -113,6 +115,30 @@ std::vector<DeviceInfo> probeDevices(const TopologyOptions& options) {
     }
     info.external = externalReason(options.sysfsRoot, info.pciBusId);
     out.push_back(info);
+  }
+  // An accelerator registered as LibTorch's PrivateUse1 backend (hddp::emu, say): its
+  // devices by its own count, memory from its device allocator when it has one.
+  if (c10::is_privateuse1_backend_registered() &&
+      c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)) {
+    const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1);
+    const std::string backend = c10::get_privateuse1_backend(/*lower_case=*/true);
+    const int count = static_cast<int>(guard->deviceCount());
+    for (int i = 0; i < count; ++i) {
+      DeviceInfo info;
+      info.device = c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(i));
+      info.name = backend + " (PrivateUse1 accelerator)";
+      auto* allocator =
+          dynamic_cast<c10::DeviceAllocator*>(c10::GetAllocator(c10::DeviceType::PrivateUse1));
+      if (allocator != nullptr) {
+        try {
+          info.memoryBytes = static_cast<int64_t>(
+              allocator->getMemoryInfo(static_cast<c10::DeviceIndex>(i)).second);
+        } catch (const c10::Error&) {
+          // an allocator without memory figures: the size stays unknown (0)
+        }
+      }
+      out.push_back(info);
+    }
   }
   return out;
 }

@@ -223,6 +223,13 @@ TEST(ExampleTrainers, AnEmulatedDeviceRankNextToACpuRankTrainsAsTwoCpuRanks_Emu)
                 std::string::npos)
           << r.output;
       EXPECT_NE(r.output.find("rank 1 trains on cpu"), std::string::npos) << r.output;
+      // Only the rank on emu installs it (a CUDA rank beside it keeps CUDA's pinning).
+      size_t installs = 0;
+      for (size_t at = r.output.find("hddp::emu installed"); at != std::string::npos;
+           at = r.output.find("hddp::emu installed", at + 1)) {
+        ++installs;
+      }
+      EXPECT_EQ(installs, 1u) << r.output;
     }
     models.push_back(modelInStateFile(dir + "/state-00000020.hddp"));
     removeTree(dir);
@@ -234,6 +241,24 @@ TEST(ExampleTrainers, AnEmulatedDeviceRankNextToACpuRankTrainsAsTwoCpuRanks_Emu)
     EXPECT_TRUE(torch::allclose(cpu, emu, 1e-4, 1e-5))
         << name << ": largest difference " << (cpu - emu).abs().max().item<double>();
   }
+}
+
+// U-Net on two unlike emulated cards (emu:1 computes 4x slower, as a slower GPU would,
+// through emu's own slowdown rather than hddp's timing emulation): it learns, rank 0's
+// memory is read from its device's allocator, and the planner gives the slow card less.
+TEST(ExampleTrainers, UnetOnTwoUnlikeEmulatedCardsLearnsAndTheSlowOneGetsLess_Emu) {
+  auto r = runTrainer(kUnet, kTinyUnet, 2, "HDDP_DEVICE=emu:0,emu:1 HDDP_EMU_SLOWDOWN=1:4");
+  expectLearns(r, 3);
+  EXPECT_NE(r.output.find("on emu:0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("on emu:1"), std::string::npos) << r.output;
+  const auto steps = ofKind(r, "step");
+  ASSERT_FALSE(steps.empty());
+  const auto& last = steps.back();
+  ASSERT_TRUE(last.contains("memory")) << last;
+  EXPECT_GT(last["memory"]["peak_allocated_bytes"].get<int64_t>(), 0) << last;
+  const auto plan = last["plan"].get<std::vector<int64_t>>();
+  ASSERT_EQ(plan.size(), 2u) << last;
+  EXPECT_GT(plan[0], plan[1]) << "emu:1 is 4x slower; the split should favour emu:0: " << last;
 }
 
 TEST(ExampleTrainers, ResnetOnFashionMnistWhenInstalled) {

@@ -207,6 +207,44 @@ TEST(HddpProbe, JsonReportsDevicesAndAnEmulatedSplit) {
   EXPECT_TRUE(listed);
 }
 
+// hddp::emu's devices are listed and planned for as GPUs would be: HDDP_EMU_DEVICES asks
+// for them, their memory is the emulated total, and emu:1 emulated 3x slower gets the
+// smaller share.
+TEST(HddpProbe, ListsAndPlansForEmulatedDevices_Emu) {
+  const auto r = hddp::testing::runCommand(
+      "HDDP_EMU_DEVICES=2 HDDP_EMU_MEMORY_GIB=2 HDDP_EMU_SLOWDOWN=1:3 " +
+      hddp::testing::toolsDir() +
+      "/../hddp-probe/hddp-probe --json --no-bandwidth --global-batch 128 2>/dev/null");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  std::vector<std::string> emulated;
+  for (const auto& d : j["devices"]) {
+    if (d["device"].get<std::string>().rfind("emu:", 0) == 0) {
+      emulated.push_back(d["device"]);
+      EXPECT_EQ(d["memory_bytes"].get<int64_t>(), int64_t{2} << 30) << d;
+      EXPECT_GT(d["free_bytes"].get<int64_t>(), int64_t{1} << 30) << d;
+      EXPECT_LE(d["free_bytes"].get<int64_t>(), int64_t{2} << 30) << d;
+    }
+  }
+  EXPECT_EQ(emulated, (std::vector<std::string>{"emu:0", "emu:1"})) << j["devices"];
+  bool announced = false;
+  for (const auto& a : j["advice"]) {
+    announced = announced || a.get<std::string>().find("hddp::emu is on") != std::string::npos;
+  }
+  EXPECT_TRUE(announced) << j["advice"];
+  if (torch::cuda::is_available()) {
+    GTEST_SKIP() << "the probe plans for the CUDA devices too here";
+  }
+  const auto& ranks = j["plan"]["ranks"];
+  ASSERT_EQ(ranks.size(), 2u) << ranks;
+  EXPECT_EQ(ranks[0]["device"], "emu:0");
+  EXPECT_EQ(ranks[1]["device"], "emu:1");
+  const int64_t b0 = ranks[0]["local_batch"];
+  const int64_t b1 = ranks[1]["local_batch"];
+  EXPECT_EQ(b0 + b1, 128);
+  EXPECT_GT(2 * b0, 3 * b1) << "emu:1 runs 3x slower, the split should favour emu:0" << ranks;
+}
+
 // The memory cap column follows the Trainer's rule: an emulated device of 500 MiB on
 // which a step takes 100 MiB + 12 MiB per sample holds floor((450 - 100) / 12) = 29
 // samples with 10% kept free, 33 with none; the split keeps to it.

@@ -216,4 +216,26 @@ TEST(Devices, AnEmulatedDeviceWithoutTheEmulatorSaysHowToInstallIt) {
   }
 }
 
+// A rank next to one on emu need not install emu (a CUDA rank must not: it would lose
+// CUDA's pinned memory): its own entry of HDDP_DEVICE is parsed, the others' emu names
+// are accepted as written. Its own entry naming emu still asks for the install.
+TEST(Devices, AnotherRanksEmulatedDeviceNeedsNoEmulatorHere) {
+  if (hddp::emu::isInstalled()) {
+    GTEST_SKIP() << "emu was installed by an earlier test of this process (ctest runs each "
+                    "test alone)";
+  }
+  hddp::LaunchInfo info;
+  info.localWorldSize = 2;
+  info.localRank = 1;
+  const hddp::EnvMap env{{"HDDP_DEVICE", "emu:0,cpu"}};
+  EXPECT_EQ(hddp::resolveDevice(info, std::nullopt, env, 0, false), c10::Device(c10::kCPU));
+  info.localRank = 0;
+  try {
+    hddp::resolveDevice(info, std::nullopt, env, 0, false);
+    ADD_FAILURE() << "emu:0 was accepted for this rank without the emulator";
+  } catch (const hddp::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("hddp::emu::install()"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

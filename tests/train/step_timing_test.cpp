@@ -22,6 +22,7 @@
 #include "hddp/data/datasets.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/trainer.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 #include "support/stream_semantics.h"
 
@@ -567,6 +568,50 @@ TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_CUDA) {
       << "total " << t[0].totalSeconds << " s, wait " << t[0].waitSeconds << " s";
   EXPECT_GT(t[0].computeSeconds(), 0.0);
   EXPECT_GT(t[0].tailSeconds, 0.0);
+}
+
+// The twin on hddp::emu: the "collective" is a copy queued on a side stream that runs
+// 300 ms later (emu's stream delay), and the compute stream waits for it through an
+// event. The device timer's events put that wait into waitSeconds and leave it out of
+// the compute time, as on CUDA.
+TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_Emu) {
+  const c10::Device dev = hddp::testing::emulatedDevice(0);
+  auto timer = hddp::makeStepTimer(dev);
+  EXPECT_STREQ(timer->describe(), "emu:0 events");
+  auto host = torch::randn({1 << 20});
+  auto a = torch::empty({1 << 20}, torch::TensorOptions().device(dev));
+  auto small = torch::randn({64, 64}, torch::TensorOptions().device(dev));
+  c10::impl::VirtualGuardImpl guard(dev.type());
+  const c10::Stream compute = guard.getStream(dev);
+  const c10::Stream other = guard.getStreamFromGlobalPool(dev, false);
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(300));
+  timer->start({0, 8, 0});
+  for (int i = 0; i < 5; ++i) {
+    small = small.mm(small).tanh();  // a little compute
+  }
+  c10::Event done(dev.type());
+  {
+    c10::StreamGuard on(other);
+    a.copy_(host, /*non_blocking=*/true);  // the "collective": runs 300 ms later
+    done.record(other);
+  }
+  timer->beginWait();
+  done.block(compute);
+  timer->endWait();
+  for (int i = 0; i < 5; ++i) {
+    small = small.mm(small).tanh();
+  }
+  timer->stop();
+  guard.synchronizeDevice(dev.index());
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(0));
+  const auto t = timer->collect();
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_GE(t[0].waitSeconds, 0.25) << "total " << t[0].totalSeconds << " s";
+  EXPECT_GT(t[0].waitSeconds, 5 * t[0].computeSeconds())
+      << "total " << t[0].totalSeconds << " s, wait " << t[0].waitSeconds << " s";
+  EXPECT_GT(t[0].computeSeconds(), 0.0);
+  EXPECT_GT(t[0].tailSeconds, 0.0);
+  EXPECT_TRUE(torch::equal(a.cpu(), host));
 }
 
 // The Trainer on one GPU with NCCL times its steps with device events and hands the

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -19,12 +20,22 @@
 #include <nlohmann/json.hpp>
 
 #include "hddp/hddp.h"
+#ifdef HDDP_PROBE_WITH_EMU
+#include "hddp/emu/emu.h"
+#endif
 #include "job_record.h"
 #include "what_if.h"
 
 namespace {
 
 using json = nlohmann::json;
+
+// Waits for the work queued on `device` (any accelerator; nothing for the CPU).
+void synchronize(const c10::Device& device) {
+  if (!device.is_cpu()) {
+    c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
+  }
+}
 
 // Seconds per sample of a small MLP training step (3072 -> 1024 -> 10) on `device`.
 double calibrate(const c10::Device& device, int64_t batch) {
@@ -38,12 +49,12 @@ double calibrate(const c10::Device& device, int64_t batch) {
       torch::randint(0, 10, {batch}, torch::TensorOptions().device(device).dtype(torch::kLong));
   double best = 1e30;
   for (int i = 0; i < 6; ++i) {
-    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    synchronize(device);
     auto t0 = std::chrono::steady_clock::now();
     opt.zero_grad();
     torch::cross_entropy_loss(net->forward(x), y).backward();
     opt.step();
-    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+    synchronize(device);
     if (i > 0)
       best = std::min(best,
                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -53,11 +64,41 @@ double calibrate(const c10::Device& device, int64_t batch) {
 
 // The device's free memory now (its total minus what every process holds on it).
 int64_t freeBytes(const c10::Device& device) {
-  if (!device.is_cuda()) {
+  if (device.is_cpu()) {
     return 0;
   }
-  return static_cast<int64_t>(
-      c10::getDeviceAllocator(c10::kCUDA)->getMemoryInfo(device.index()).first);
+  auto* allocator = dynamic_cast<c10::DeviceAllocator*>(c10::GetAllocator(device.type()));
+  if (allocator == nullptr) {
+    return 0;
+  }
+  return static_cast<int64_t>(allocator->getMemoryInfo(device.index()).first);
+}
+
+// Whether a device is an accelerator hddp-probe plans a rank for: a CUDA device, or one
+// of a PrivateUse1 backend (hddp::emu).
+bool isAccelerator(const c10::Device& device) {
+  return device.is_cuda() || device.type() == c10::DeviceType::PrivateUse1;
+}
+
+// Installs hddp::emu when HDDP_EMU_DEVICES is set or HDDP_DEVICE names emu, so that the
+// emulated devices are listed and planned for as a training job would see them.
+void installEmulatorIfAsked() {
+  const char* count = std::getenv("HDDP_EMU_DEVICES");
+  const char* device = std::getenv("HDDP_DEVICE");
+  std::string text = device ? device : "";
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const bool named = text.rfind("emu", 0) == 0 || text.find(",emu") != std::string::npos;
+  if (!(count && *count) && !named) {
+    return;
+  }
+#ifdef HDDP_PROBE_WITH_EMU
+  hddp::emu::install();
+#else
+  throw std::runtime_error(
+      "HDDP_EMU_DEVICES or HDDP_DEVICE asks for hddp::emu, but this build has none "
+      "(configure with -DHDDP_BUILD_EMU=ON)");
+#endif
 }
 
 std::string gib(int64_t bytes) {
@@ -123,7 +164,7 @@ json describeDevices(const std::vector<hddp::DeviceInfo>& devices, const ProbeOp
   json devs = json::array();
   for (const auto& d : devices) {
     json j = {{"device", d.device.str()}, {"name", d.name}, {"memory_bytes", d.memoryBytes}};
-    if (d.device.is_cuda()) {
+    if (isAccelerator(d.device)) {
       j["free_bytes"] = freeBytes(d.device);
       j["sm_count"] = d.smCount;
       j["compute_capability"] =
@@ -200,7 +241,7 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
   std::vector<c10::Device>& rankDevices = result.rankDevices;
   std::vector<hddp::RankCost>& costs = result.costs;
   for (const auto& d : devices) {
-    if (d.device.is_cuda()) rankDevices.push_back(d.device);
+    if (isAccelerator(d.device)) rankDevices.push_back(d.device);
   }
   if (rankDevices.empty()) {
     rankDevices.assign(static_cast<size_t>(std::max(1, cpuRanks)), c10::Device(c10::kCPU));
@@ -221,7 +262,7 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
     profile.device = dev;
     profile.bytesPerSample = sampleBytes;
     profile.computeSecondsPerSample = calibrated[dev.str()];
-    profile.transferOverlapped = dev.is_cuda();  // the loader prefetches on a side stream
+    profile.transferOverlapped = !dev.is_cpu();  // the loader prefetches on a side stream
     profile.emulatedLinkBytesPerSecond = emulation.linkBytesPerSecond;
     profile.emulatedSlowdown = emulation.slowdown;
     for (const auto& d : devices) {
@@ -236,7 +277,8 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
           fit.fixedBytes = o.fixedMiB * (1 << 20);
           fit.perSampleBytes = sampleMiB * (1 << 20);
           fit.totalBytes = static_cast<double>(d.memoryBytes);
-          fit.otherBytes = dev.is_cuda() ? static_cast<double>(d.memoryBytes - freeBytes(dev)) : 0;
+          fit.otherBytes =
+              dev.is_cpu() ? 0 : static_cast<double>(d.memoryBytes - freeBytes(dev));
           profile.maxSamples = hddp::MemoryEstimator::capFor(fit, o.headroom);
         }
       }
@@ -318,6 +360,8 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
                     d.link->currentWidth, d.link->maxGen, d.link->maxWidth, d.link->currentGBps());
       }
       if (d.external) std::printf(", eGPU: %s", d.external->c_str());
+    } else if (isAccelerator(d.device)) {
+      std::printf(" (%s free)", gib(freeBytes(d.device)).c_str());
     } else {
       std::printf(", %d cores, link: memory", d.smCount);
     }
@@ -513,6 +557,7 @@ int run(int argc, char** argv) {
     return showJob(jobDir, o.asJson);
   }
 
+  installEmulatorIfAsked();
   const bool hasCuda = at::detail::getCUDAHooks().hasCUDA();
   json out;
   out["versions"] = versions(hasCuda);
@@ -522,10 +567,21 @@ int run(int argc, char** argv) {
   std::vector<std::string> advice;
   const json devs = describeDevices(devices, o, hasCuda, advice);
   out["devices"] = devs;
+  const auto emulated = std::count_if(devices.begin(), devices.end(), [](const auto& d) {
+    return d.device.type() == c10::DeviceType::PrivateUse1;
+  });
   if (!hasCuda) {
     advice.push_back(
         "no CUDA device is visible: check the driver (nvidia-smi), CUDA_VISIBLE_DEVICES, and that "
-        "this LibTorch is a CUDA build; planning for CPU ranks");
+        "this LibTorch is a CUDA build; planning for " +
+        std::string(emulated > 0 ? "the " + c10::get_privateuse1_backend() + " devices"
+                                 : "CPU ranks"));
+  }
+  if (emulated > 0 && c10::get_privateuse1_backend() == "emu") {
+    advice.push_back("hddp::emu is on (HDDP_EMU_DEVICES / HDDP_DEVICE): " +
+                     std::to_string(emulated) +
+                     " emulated device(s) computing on this CPU, at its speed times any "
+                     "HDDP_EMU_SLOWDOWN factor; for tests and demos, not a GPU");
   }
   const ProbePlan p = planSplit(devices, devs, o);
   out["plan"] = {{"global_batch", o.globalBatch},

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "balance/split_with_minimum.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 
@@ -270,38 +271,22 @@ bool BatchPlanner::endStep() {
   // sample, and the memory cap derived from its measured memory (-1: none).
   const RankEstimator::Estimate own = estimator_.estimate();
   const int64_t ownCap = memory_.cap(options_.memoryHeadroom);
-  constexpr size_t kFields = 6;
-  const double mine[kFields] = {
-      own.secondsPerSample,
-      own.relativeError,
-      own.fixedSeconds,
-      own.transferSecondsPerSample,
-      own.bytesPerSample,
-      ownCap == std::numeric_limits<int64_t>::max() ? -1.0 : static_cast<double>(ownCap)};
-  std::vector<uint8_t> bytes(sizeof(mine));
-  std::memcpy(bytes.data(), mine, sizeof(mine));
+  // What every rank tells the others: its estimate and its derived cap (-1: none).
+  struct Shared {
+    RankEstimator::Estimate estimate;
+    int64_t cap;
+  };
+  const Shared mine{own, ownCap == std::numeric_limits<int64_t>::max() ? -1 : ownCap};
   const auto exchangeStart = std::chrono::steady_clock::now();
-  const auto all = comm_.allgatherBytes(bytes);
+  const std::vector<Shared> all = allgatherValue(comm_, mine);
   lastExchangeSeconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - exchangeStart).count();
   std::vector<RankEstimator::Estimate> estimates(all.size());
-  for (size_t r = 0; r < all.size(); ++r) {
-    HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(mine), "bad estimate from rank ", r);
-    double theirs[kFields];
-    std::memcpy(theirs, all[r].data(), sizeof(theirs));
-    RankEstimator::Estimate& e = estimates[r];
-    e.secondsPerSample = theirs[0];
-    e.relativeError = theirs[1];
-    e.fixedSeconds = theirs[2];
-    e.transferSecondsPerSample = theirs[3];
-    e.bytesPerSample = theirs[4];
-  }
   std::vector<int64_t> derived(all.size(), std::numeric_limits<int64_t>::max());
   for (size_t r = 0; r < all.size(); ++r) {
-    double theirs[kFields];
-    std::memcpy(theirs, all[r].data(), sizeof(theirs));
-    if (theirs[5] >= 0) {
-      derived[r] = static_cast<int64_t>(theirs[5]);
+    estimates[r] = all[r].estimate;
+    if (all[r].cap >= 0) {
+      derived[r] = all[r].cap;
     }
   }
   bool moved = false;  // a cap appeared, went, or moved by more than 5%

@@ -10,13 +10,6 @@
 #include "train/trainer_impl.h"
 
 namespace hddp {
-namespace {
-
-double seconds(Trainer::Impl::Clock::time_point a, Trainer::Impl::Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-}  // namespace
 
 void Trainer::Impl::updateTimeBudget() {
   constexpr int64_t kEvery = 10;

@@ -10,13 +10,6 @@
 #include "train/trainer_impl.h"
 
 namespace hddp {
-namespace {
-
-double seconds(Trainer::Impl::Clock::time_point a, Trainer::Impl::Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-}  // namespace
 
 // The configuration a metrics file starts with (hddp-plot's title).
 nlohmann::json Trainer::Impl::runConfig() const {

@@ -8,6 +8,7 @@
 
 #include "hddp/balance/planner.h"
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 
 namespace hddp {
@@ -16,17 +17,15 @@ namespace {
 
 std::vector<OutOfMemoryFailure> gatherFailures(Communicator& comm, bool failedHere,
                                                int64_t localBatch) {
-  int64_t info[2] = {failedHere ? 1 : 0, localBatch};
-  std::vector<uint8_t> bytes(sizeof(info));
-  std::memcpy(bytes.data(), info, sizeof(info));
-  const auto all = comm.allgatherBytes(bytes);
+  struct Report {
+    int64_t failed;
+    int64_t localBatch;
+  };
+  const auto all = allgatherValue(comm, Report{failedHere ? 1 : 0, localBatch});
   std::vector<OutOfMemoryFailure> failures;
   for (size_t r = 0; r < all.size(); ++r) {
-    int64_t theirs[2];
-    HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(theirs), "bad failure report from rank ", r);
-    std::memcpy(theirs, all[r].data(), sizeof(theirs));
-    if (theirs[0] != 0) {
-      failures.push_back({static_cast<int>(r), theirs[1]});
+    if (all[r].failed != 0) {
+      failures.push_back({static_cast<int>(r), all[r].localBatch});
     }
   }
   HDDP_INTERNAL_ASSERT(!failures.empty(), "a step was abandoned but no rank reports a failure");

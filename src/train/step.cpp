@@ -14,13 +14,6 @@
 #include "train/trainer_impl.h"
 
 namespace hddp {
-namespace {
-
-double seconds(Trainer::Impl::Clock::time_point a, Trainer::Impl::Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
-}  // namespace
 
 // False when the step was abandoned (some rank ran out of memory): nothing was
 // applied, and the loader serves the same samples again under the new split.

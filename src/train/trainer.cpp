@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "hddp/balance/cost_model.h"
+#include "hddp/balance/seed.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
@@ -67,10 +68,6 @@ void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
 namespace {
 
 using Clock = Trainer::Impl::Clock;
-
-double seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
 
 void checkOptions(const TrainerOptions& o, const Dataset* train, const Communicator& comm,
                   const c10::Device& device) {
@@ -286,11 +283,11 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
                                                const EmulationOptions& emulation) {
   SampleRng rng(sampleSeed(options_.seed, 0, 0));
   const double bytesPerSample = static_cast<double>(data.get(0, rng).input.nbytes());
-  RankProfile profile = profileOf(device_, bytesPerSample, /*measureLink=*/!device_.is_cpu());
-  profile.transferOverlapped = !device_.is_cpu() && options_.loader.pinMemory;
-  profile.emulatedLinkBytesPerSecond = emulation.linkBytesPerSecond;
-  profile.emulatedSlowdown = emulation.slowdown;
-  profile.computeSecondsPerSample = timeForward(data);
+  SeedMeasurement measured;
+  measured.computeSecondsPerSample = timeForward(data);
+  measured.pinnedSideStreamCopies = options_.loader.pinMemory;
+  const RankProfile profile = seedProfile(
+      profileOf(device_, bytesPerSample, /*measureLink=*/!device_.is_cpu()), measured, emulation);
   const RankCost mine = costOf(profile);
   HDDP_LOG_INFO("balance", "rank ", comm_.rank(), " seed: ", mine.secondsPerSample * 1e3,
                 " ms/sample (timed forward x3",
@@ -298,17 +295,7 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
                 " B/sample over ", mine.linkBytesPerSecond / 1e9, " GB/s (", linkSource(profile),
                 profile.external ? ", eGPU" : "", ")",
                 mine.transferOverlapped ? ", copies overlap compute" : "");
-  const auto fields = costFields(mine);
-  std::vector<uint8_t> bytes(sizeof(double) * fields.size());
-  std::memcpy(bytes.data(), fields.data(), bytes.size());
-  std::vector<RankCost> costs;
-  for (const auto& theirs : comm_.allgatherBytes(bytes)) {
-    HDDP_INTERNAL_ASSERT(theirs.size() == bytes.size(), "bad seed cost");
-    double f[kRankCostFields];
-    std::memcpy(f, theirs.data(), sizeof(f));
-    costs.push_back(costFromFields(f));
-  }
-  return costs;
+  return exchangeSeedCosts(comm_, mine);
 }
 
 void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
@@ -318,19 +305,12 @@ void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
       bytes += static_cast<double>(p.numel()) * static_cast<double>(p.element_size());
     }
   }
-  double slowest = 0.0;
-  int slowestRank = -1;
-  for (size_t r = 0; r < seed.size(); ++r) {
-    const double link = seed[r].linkBytesPerSecond;
-    if (link > 0 && (slowestRank < 0 || link < slowest)) {
-      slowest = link;
-      slowestRank = static_cast<int>(r);
-    }
-  }
-  predictedAllreduceSeconds_ = ringAllreduceSeconds(bytes, comm_.size(), slowest);
+  const AllreducePrediction p = hddp::predictAllreduce(seed, bytes);
+  predictedAllreduceSeconds_ = p.seconds;
   if (predictedAllreduceSeconds_ > 0) {
     HDDP_LOG_SHARED("balance", comm_.rank(), "gradient allreduce: ", bytes / 1e6,
-                    " MB over the slowest link (rank ", slowestRank, ", ", slowest / 1e9,
+                    " MB over the slowest link (rank ", p.slowestRank, ", ",
+                    p.slowestLinkBytesPerSecond / 1e9,
                     " GB/s) takes ", predictedAllreduceSeconds_ * 1e3,
                     " ms per step (ring model); no split changes it, backward hides part of it "
                     "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");

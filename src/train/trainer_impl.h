@@ -153,4 +153,9 @@ class Trainer::Impl {
   void agreeAtCommit(const TrainSummary& summary);
 };
 
+/// Seconds from `a` to `b` on the Trainer's clock.
+inline double seconds(Trainer::Impl::Clock::time_point a, Trainer::Impl::Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
 }  // namespace hddp

@@ -12,6 +12,7 @@
 #include "hddp/balance/batch_plan.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/balance/planner.h"
+#include "hddp/balance/seed.h"
 #include "hddp/core/error.h"
 #include "support/ranks.h"
 
@@ -549,6 +550,64 @@ TEST(Emulation, ParsesPerRankValuesAndStretchesTime) {
                      [&](std::chrono::duration<double>) { FAIL() << "slept while off"; });
   EXPECT_FALSE(off.active());
   EXPECT_EQ(off.apply(0.25, 100), 0.25);
+}
+
+// The seed rule (hddp/balance/seed.h) the Trainer and hddp-probe share: the measured
+// compute, the emulation and the copies' overlap go into the profile; the allreduce runs
+// over the slowest link any rank has; the costs travel by rank.
+TEST(Seed, TheProfileTakesTheMeasurementAndTheEmulation) {
+  hddp::RankProfile base;
+  base.device = c10::Device(c10::kCUDA, 0);
+  base.bytesPerSample = 3000;
+  base.measuredBytesPerSecond = 12e9;
+  hddp::SeedMeasurement measured;
+  measured.computeSecondsPerSample = 0.002;
+  hddp::EmulationOptions emulation;
+  emulation.slowdown = 3.0;
+  emulation.linkBytesPerSecond = 2.8e9;
+  const auto p = hddp::seedProfile(base, measured, emulation);
+  EXPECT_EQ(p.computeSecondsPerSample, 0.002);
+  EXPECT_TRUE(p.transferOverlapped);
+  EXPECT_EQ(p.emulatedSlowdown, 3.0);
+  EXPECT_EQ(p.emulatedLinkBytesPerSecond, 2.8e9);
+  const hddp::RankCost c = hddp::costOf(p);
+  EXPECT_DOUBLE_EQ(c.secondsPerSample, 0.006);
+  EXPECT_DOUBLE_EQ(c.linkBytesPerSecond, 2.8e9);  // the emulated link wins over the measured
+  measured.pinnedSideStreamCopies = false;  // pageable copies block the step
+  EXPECT_FALSE(hddp::seedProfile(base, measured, {}).transferOverlapped);
+  base.device = c10::Device(c10::kCPU);  // a CPU rank copies nothing
+  EXPECT_FALSE(hddp::seedProfile(base, hddp::SeedMeasurement{}, {}).transferOverlapped);
+}
+
+TEST(Seed, TheAllreduceRunsOverTheSlowestLink) {
+  std::vector<hddp::RankCost> costs(3);
+  costs[0].linkBytesPerSecond = 12e9;
+  costs[1].linkBytesPerSecond = 2.5e9;  // the eGPU
+  costs[2].linkBytesPerSecond = 0;      // a CPU rank: no link
+  const auto p = hddp::predictAllreduce(costs, 100e6);
+  EXPECT_EQ(p.slowestRank, 1);
+  EXPECT_EQ(p.slowestLinkBytesPerSecond, 2.5e9);
+  EXPECT_DOUBLE_EQ(p.seconds, 2.0 * 2.0 / 3.0 * 100e6 / 2.5e9);
+  const auto none = hddp::predictAllreduce(std::vector<hddp::RankCost>(2), 100e6);
+  EXPECT_EQ(none.slowestRank, -1);
+  EXPECT_EQ(none.seconds, 0.0);
+}
+
+TEST(Seed, CostsAreExchangedByRank) {
+  hddp::testing::runThreads(3, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::RankCost mine;
+    mine.secondsPerSample = 0.001 * (rank + 1);
+    mine.linkBytesPerSecond = 1e9 * rank;
+    mine.transferOverlapped = rank == 2;
+    const auto all = hddp::exchangeSeedCosts(*comm, mine);
+    ASSERT_EQ(static_cast<int>(all.size()), size);
+    for (int r = 0; r < size; ++r) {
+      EXPECT_EQ(all[r].secondsPerSample, 0.001 * (r + 1));
+      EXPECT_EQ(all[r].linkBytesPerSecond, 1e9 * r);
+      EXPECT_EQ(all[r].transferOverlapped, r == 2);
+    }
+  });
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "support/ranks.h"
 
@@ -155,6 +156,28 @@ TEST(Collectives, AllgatherBytesVariableSizes) {
       for (int r = 0; r < size; ++r) {
         EXPECT_EQ(all[r],
                   std::vector<uint8_t>(r * 3 + round, static_cast<uint8_t>(r + 10 * round)));
+      }
+    }
+  });
+}
+
+// A fixed-size value from every rank, by rank, without packing bytes by hand.
+TEST(Collectives, AllgatherValueReturnsEveryRanksValueByRank) {
+  struct Report {
+    double seconds;
+    int64_t samples;
+    bool failed;
+  };
+  runThreads(3, [](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    for (int round = 0; round < 2; ++round) {
+      const Report mine{0.5 * rank + round, 100 + rank, rank == 1};
+      const auto all = hddp::allgatherValue(*comm, mine);
+      ASSERT_EQ(static_cast<int>(all.size()), size);
+      for (int r = 0; r < size; ++r) {
+        EXPECT_EQ(all[r].seconds, 0.5 * r + round);
+        EXPECT_EQ(all[r].samples, 100 + r);
+        EXPECT_EQ(all[r].failed, r == 1);
       }
     }
   });

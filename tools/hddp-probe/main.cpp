@@ -257,14 +257,9 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
     if (!calibrated.count(dev.str())) {
       calibrated[dev.str()] = calibrate(dev, 64);
     }
-    // The same cost function the Trainer seeds its planner with.
     hddp::RankProfile profile;
     profile.device = dev;
     profile.bytesPerSample = sampleBytes;
-    profile.computeSecondsPerSample = calibrated[dev.str()];
-    profile.transferOverlapped = !dev.is_cpu();  // the loader prefetches on a side stream
-    profile.emulatedLinkBytesPerSecond = emulation.linkBytesPerSecond;
-    profile.emulatedSlowdown = emulation.slowdown;
     for (const auto& d : devices) {
       if (d.device == dev) {
         profile.link = d.link;
@@ -300,6 +295,12 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
       profile.maxSamples =
           std::min(profile.maxSamples, hddp::MemoryEstimator::capFor(fit, o.headroom));
     }
+    // The seed rule the Trainer starts its planner from (hddp/balance/seed.h), with the
+    // MLP calibration as the timed pass and the loader's side-stream copies.
+    hddp::SeedMeasurement measured;
+    measured.computeSecondsPerSample = calibrated[dev.str()];
+    measured.pinnedSideStreamCopies = true;
+    profile = hddp::seedProfile(profile, measured, emulation);
     const hddp::RankCost c = hddp::costOf(profile);
     costs.push_back(c);
     ranks.push_back({{"rank", r},
@@ -323,15 +324,9 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
   }
   result.ranks = ranks;
   // The allreduce over the slowest link: a term no split changes.
-  double slowest = 0.0;
-  for (const auto& c : costs) {
-    if (c.linkBytesPerSecond > 0) {
-      slowest = slowest > 0 ? std::min(slowest, c.linkBytesPerSecond) : c.linkBytesPerSecond;
-    }
-  }
-  result.slowestLinkBytesPerSecond = slowest;
-  result.allreduceSeconds =
-      hddp::ringAllreduceSeconds(o.paramBytes, static_cast<int>(costs.size()), slowest);
+  const hddp::AllreducePrediction allreduce = hddp::predictAllreduce(costs, o.paramBytes);
+  result.slowestLinkBytesPerSecond = allreduce.slowestLinkBytesPerSecond;
+  result.allreduceSeconds = allreduce.seconds;
   return result;
 }
 

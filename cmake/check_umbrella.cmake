@@ -1,0 +1,28 @@
+# The umbrella header includes every public header: hddp/hddp.h names each header under
+# include/hddp/ except itself and hddp::emu's (emu is a separate target, never part of
+# libhddp). Run as: cmake -DSOURCE_DIR=<repo> -P cmake/check_umbrella.cmake
+if(NOT SOURCE_DIR)
+  message(FATAL_ERROR "check_umbrella: give -DSOURCE_DIR=<the repository>")
+endif()
+set(umbrella "${SOURCE_DIR}/include/hddp/hddp.h")
+if(NOT EXISTS "${umbrella}")
+  message(FATAL_ERROR "check_umbrella: ${umbrella} does not exist")
+endif()
+file(READ "${umbrella}" text)
+file(GLOB_RECURSE headers RELATIVE "${SOURCE_DIR}/include" "${SOURCE_DIR}/include/hddp/*.h")
+set(missing "")
+foreach(h IN LISTS headers)
+  if(h STREQUAL "hddp/hddp.h" OR h MATCHES "^hddp/emu/")
+    continue()
+  endif()
+  string(FIND "${text}" "#include \"${h}\"" at)
+  if(at EQUAL -1)
+    list(APPEND missing "${h}")
+  endif()
+endforeach()
+if(missing)
+  list(JOIN missing ", " names)
+  message(FATAL_ERROR "include/hddp/hddp.h does not include these public headers: ${names}. "
+                      "Add them to the umbrella header (docs/api.md says it has them all).")
+endif()
+message(STATUS "hddp/hddp.h includes every public header")

@@ -1,0 +1,2 @@
+#pragma once
+#include "hddp/core/a.h"

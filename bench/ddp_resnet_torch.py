@@ -26,7 +26,7 @@ class Block(nn.Module):
 
 
 class ResNet18(nn.Module):
-    """ResNet-18 with the CIFAR stem, as examples/models/resnet.cpp builds it."""
+    """ResNet-18 with the CIFAR stem, as models/resnet.cpp builds it."""
 
     def __init__(self, classes=10):
         super().__init__()

@@ -82,9 +82,9 @@ else()
     set(HDDP_CLI11_TARGET hddp_dep_cli11)
   endif()
 endif()
-# Our readable range checks for CLI11 (tools/common/cli_checks.h), for tools and examples.
+# Our readable range checks for CLI11 (cli/cli_checks.h), for tools, examples and bench.
 add_library(hddp_cli INTERFACE)
-target_include_directories(hddp_cli INTERFACE "${PROJECT_SOURCE_DIR}/tools/common")
+target_include_directories(hddp_cli INTERFACE "${PROJECT_SOURCE_DIR}/cli")
 target_link_libraries(hddp_cli INTERFACE ${HDDP_CLI11_TARGET})
 set(HDDP_CLI11_TARGET hddp_cli)
 

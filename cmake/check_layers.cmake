@@ -1,23 +1,28 @@
 # The layering check: a file of a layer includes headers of its own layer and of the
-# layers below it, never above; private headers (src/<layer>/*.h) stay inside their
-# layer; public headers include only public ones; tools, examples and benchmarks use
-# only the public API.
+# layers its row of the table says it may use, never others; private headers
+# (src/<layer>/*.h) stay inside their layer; public headers include only public ones;
+# programs (tools/, examples/, bench/) use only the public API and do not reach into each
+# other's files: what several of them share lives in models/ (the example models),
+# cli/ (the command-line checks) or protocol/ (the launch protocol).
 #
 #   cmake -DSOURCE_DIR=<repo> [-DLAYERS_DOC=<file>] -P cmake/check_layers.cmake
 #
-# The order is the table of layers in LAYERS_DOC (default SOURCE_DIR/docs/architecture.md;
-# first row: the lowest layer), so the document and the check cannot disagree. Prints every violation
-# as "<file>:<line> includes <header>: <why>" and fails when there is one.
+# The rules are the table of layers in LAYERS_DOC (default SOURCE_DIR/docs/architecture.md):
+# each row "| layer | may use | ... |", first row the lowest layer; "may use" lists layers
+# of earlier rows ("-" for none), so the layers form a DAG whose siblings stay siblings.
+# The document and the check cannot disagree. Prints every violation as
+# "<file>:<line> includes <header>: <why>" and fails when there is one.
 cmake_minimum_required(VERSION 3.20)
 if(NOT SOURCE_DIR)
   message(FATAL_ERROR "check_layers.cmake needs -DSOURCE_DIR=<repository root>")
 endif()
+get_filename_component(SOURCE_DIR "${SOURCE_DIR}" ABSOLUTE)
 
 # Private headers of core that the layers above share (the library's own internals:
 # the gradient capture used by DDP and checkpointing, LibTorch version shims).
 set(SHARED_PRIVATE_HEADERS core/gradient_capture.h core/torch_compat.h)
 
-# ---- the order, from the architecture document -----------------------------------------
+# ---- the rules, from the architecture document ------------------------------------------
 if(NOT LAYERS_DOC)
   set(LAYERS_DOC "${SOURCE_DIR}/docs/architecture.md")
 endif()
@@ -25,11 +30,26 @@ file(STRINGS "${LAYERS_DOC}" doc_lines)
 set(LAYERS "")
 set(in_table FALSE)
 foreach(line IN LISTS doc_lines)
-  if(line MATCHES "^\\| layer \\|")
+  if(line MATCHES "^\\| layer \\| may use \\|")
     set(in_table TRUE)
   elseif(in_table)
-    if(line MATCHES "^\\| ([a-z_]+) \\|")
-      list(APPEND LAYERS "${CMAKE_MATCH_1}")
+    if(line MATCHES "^\\| ([a-z_]+) \\| ([a-z_, -]+) \\|")
+      set(layer "${CMAKE_MATCH_1}")
+      string(REPLACE "," ";" uses "${CMAKE_MATCH_2}")
+      set(MAY_USE_${layer} "")
+      foreach(used IN LISTS uses)
+        string(STRIP "${used}" used)
+        if(used STREQUAL "-" OR used STREQUAL "")
+          continue()
+        endif()
+        list(FIND LAYERS "${used}" used_rank)
+        if(used_rank LESS 0)
+          message(FATAL_ERROR "${LAYERS_DOC}: layer '${layer}' may use '${used}', which is not "
+                              "a layer of an earlier row (the layers must form a DAG)")
+        endif()
+        list(APPEND MAY_USE_${layer} "${used}")
+      endforeach()
+      list(APPEND LAYERS "${layer}")
     elseif(NOT line MATCHES "^\\| ---")
       break()
     endif()
@@ -37,7 +57,7 @@ foreach(line IN LISTS doc_lines)
 endforeach()
 list(LENGTH LAYERS layer_count)
 if(layer_count LESS 2)
-  message(FATAL_ERROR "no table of layers ('| layer | ...') in ${LAYERS_DOC}")
+  message(FATAL_ERROR "no table of layers ('| layer | may use | ...') in ${LAYERS_DOC}")
 endif()
 
 set(violations "")
@@ -91,6 +111,11 @@ foreach(layer IN LISTS LAYERS)
       if(target_rank GREATER rank)
         violation("${file}" "${line}" "${header}"
                   "layer '${layer}' must not include layer '${target}', which is above it")
+      elseif(NOT target STREQUAL layer AND NOT target IN_LIST MAY_USE_${layer})
+        string(REPLACE ";" ", " allowed "${MAY_USE_${layer}}")
+        violation("${file}" "${line}" "${header}"
+                  "layer '${layer}' must not include layer '${target}', which it may not use "
+                  "(docs/architecture.md: '${layer}' may use: ${allowed})")
       endif()
       if(private AND is_public)
         violation("${file}" "${line}" "${header}"
@@ -103,21 +128,58 @@ foreach(layer IN LISTS LAYERS)
   endforeach()
 endforeach()
 
-# ---- programs outside the library: the public API only ----------------------------------
-foreach(dir tools examples bench)
-  file(GLOB_RECURSE files "${SOURCE_DIR}/${dir}/*.h" "${SOURCE_DIR}/${dir}/*.cpp")
+# ---- programs outside the library: the public API only, and no other program's files ----
+# A program group (tools, examples, bench) includes its own files, the shared homes and
+# the library's public headers; a header found only in another group's folder is that
+# program's own.
+set(SHARED_HOMES models cli protocol)
+set(PROGRAM_GROUPS tools examples bench)
+foreach(group IN LISTS PROGRAM_GROUPS)
+  file(GLOB_RECURSE files "${SOURCE_DIR}/${group}/*.h" "${SOURCE_DIR}/${group}/*.cpp")
   foreach(file IN LISTS files)
     quoted_includes("${file}" includes)
+    get_filename_component(file_dir "${file}" DIRECTORY)
     foreach(entry IN LISTS includes)
       string(REGEX MATCH "^([0-9]+)\\|(.*)$" _ "${entry}")
       set(line "${CMAKE_MATCH_1}")
       set(header "${CMAKE_MATCH_2}")
-      if(NOT header MATCHES "^hddp/" AND header MATCHES "^([a-z_]+)/")
+      if(header MATCHES "^hddp/" OR header MATCHES "^hddp_protocol/")
+        continue()
+      endif()
+      if(header MATCHES "^([a-z_]+)/")
         list(FIND LAYERS "${CMAKE_MATCH_1}" target_rank)
         if(target_rank GREATER_EQUAL 0)
           violation("${file}" "${line}" "${header}"
                     "programs outside the library use its public headers (hddp/...) only")
+          continue()
         endif()
+      endif()
+      if(EXISTS "${file_dir}/${header}")
+        continue()  # the program's own folder
+      endif()
+      set(found_in_group FALSE)
+      set(found_in_home FALSE)
+      set(found_elsewhere "")
+      get_filename_component(name "${header}" NAME)
+      foreach(other IN LISTS PROGRAM_GROUPS SHARED_HOMES)
+        file(GLOB_RECURSE hits "${SOURCE_DIR}/${other}/${name}")
+        foreach(hit IN LISTS hits)
+          if(hit MATCHES "/${header}$")
+            if(other STREQUAL group)
+              set(found_in_group TRUE)
+            elseif(other IN_LIST SHARED_HOMES)
+              set(found_in_home TRUE)
+            else()
+              file(RELATIVE_PATH hit_rel "${SOURCE_DIR}" "${hit}")
+              set(found_elsewhere "${hit_rel}")
+            endif()
+          endif()
+        endforeach()
+      endforeach()
+      if(NOT found_in_group AND NOT found_in_home AND found_elsewhere)
+        violation("${file}" "${line}" "${header}"
+                  "'${found_elsewhere}' is another program's file: programs do not reach into "
+                  "each other (share it through models/, cli/ or protocol/)")
       endif()
     endforeach()
   endforeach()
@@ -126,7 +188,8 @@ endforeach()
 list(LENGTH violations count)
 if(count GREATER 0)
   string(REPLACE ";" "\n  " text "${violations}")
-  message(FATAL_ERROR "layering: ${count} include(s) break the layer order "
+  message(FATAL_ERROR "layering: ${count} include(s) break the layering rules "
                       "(docs/architecture.md: ${LAYERS}):\n  ${text}")
 endif()
-message(STATUS "layering: every include follows the layer order ${LAYERS}")
+message(STATUS "layering: every include follows the layers' rules (${LAYERS}) and no program "
+               "reaches into another")

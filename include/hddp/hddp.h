@@ -7,6 +7,7 @@
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/device_table.h"
 #include "hddp/balance/emulation.h"
+#include "hddp/balance/estimator.h"
 #include "hddp/balance/memory_model.h"
 #include "hddp/balance/planner.h"
 #include "hddp/balance/seed.h"

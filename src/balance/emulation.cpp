@@ -13,6 +13,7 @@
 
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp_protocol/launch.h"
 #include "hddp/core/logging.h"
 
 namespace hddp {
@@ -20,7 +21,7 @@ namespace hddp {
 ListMembers listMembersFromEnv(int worldSize) {
   ListMembers m;
   // The launcher's convention (as HDDP_SLOT), not options of the registry.
-  const char* slotsText = std::getenv("HDDP_SLOTS");
+  const char* slotsText = std::getenv(protocol::kEnvSlots);
   const std::string slots = slotsText ? slotsText : "";
   if (slots.empty()) {
     return m;
@@ -30,7 +31,7 @@ ListMembers listMembersFromEnv(int worldSize) {
   while (std::getline(items, item, ',')) {
     m.slotOfRank.push_back(static_cast<int>(env::parseInt("HDDP_SLOTS", item)));
   }
-  const char* countText = std::getenv("HDDP_SLOT_COUNT");
+  const char* countText = std::getenv(protocol::kEnvSlotCount);
   const std::string count = countText ? countText : "";
   m.slotCount = count.empty() ? 0 : static_cast<int>(env::parseInt("HDDP_SLOT_COUNT", count));
   for (int s : m.slotOfRank) {

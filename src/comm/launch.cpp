@@ -9,6 +9,7 @@
 
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp_protocol/launch.h"
 #include "hddp/core/logging.h"
 
 extern char** environ;  // NOLINT
@@ -147,7 +148,7 @@ Parsed fromTorchrun(const EnvMap& env) {
   p.localRank = optionalInt(env, "LOCAL_RANK");
   p.localWorld = optionalInt(env, "LOCAL_WORLD_SIZE");
   p.masterFrom(env);
-  if (auto restarts = optionalInt(env, "TORCHELASTIC_RESTART_COUNT")) {
+  if (auto restarts = optionalInt(env, protocol::kEnvRestartCount)) {
     p.restartCount = restarts->value;
   }
   if (const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE")) {
@@ -313,8 +314,8 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
   Parsed parsed = fromEnvironment(env);
   applyOptions(options, parsed);
   LaunchInfo info = validated(std::move(parsed));
-  if (find(env, "HDDP_SLOT")) {
-    info.slot = intVar(env, "HDDP_SLOT");
+  if (find(env, protocol::kEnvSlot)) {
+    info.slot = intVar(env, protocol::kEnvSlot);
     HDDP_CHECK_AS(ConfigError, info.slot >= 0, "HDDP_SLOT=", info.slot,
                   " must be >= 0 (hddp-run sets it in an elastic job)");
   }

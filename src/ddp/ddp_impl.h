@@ -383,7 +383,7 @@ class DistributedDataParallel::Impl {
 
   void rebuildFromObservedOrder();
 
-  // ---- construction checks (ddp/model_checks.h) ------------------------------------
+  // ---- construction checks ----------------------------------------------------------
 
   enum class Naming {
     /// Parameters and frozen parameters by their names (the device check).

@@ -28,16 +28,16 @@ void onReformRequest(int) { gReform.store(true); }
 
 ElasticEnv elasticFromEnv() {
   ElasticEnv e;
-  const char* on = std::getenv("HDDP_ELASTIC");
+  const char* on = std::getenv(protocol::kEnvElastic);
   e.enabled = on && std::string(on) == "1";
-  if (const char* slot = std::getenv("HDDP_SLOT")) {
+  if (const char* slot = std::getenv(protocol::kEnvSlot)) {
     char* end = nullptr;
     const long v = std::strtol(slot, &end, 10);
     HDDP_CHECK_AS(ConfigError, end != slot && *end == '\0' && v >= 0, "HDDP_SLOT='", slot,
                   "' is not a slot number (hddp-run sets it in an elastic job)");
     e.slot = static_cast<int>(v);
   }
-  if (const char* dir = std::getenv("HDDP_ELASTIC_DIR")) {
+  if (const char* dir = std::getenv(protocol::kEnvElasticDir)) {
     e.dir = dir;
   }
   return e;
@@ -59,7 +59,7 @@ bool reformRequested() { return gReform.load(); }
 
 bool reformFileExists(const std::string& dir) {
   std::error_code ec;
-  return !dir.empty() && std::filesystem::exists(dir + "/reform", ec);
+  return !dir.empty() && std::filesystem::exists(dir + "/" + protocol::kReformFile, ec);
 }
 
 int64_t commitInterval(double commitSeconds, double stepSeconds, double share) {
@@ -106,19 +106,8 @@ ProgressMark::~ProgressMark() {
 }
 
 std::string ProgressMark::path(const std::string& dir, int slot) {
-  return dir + "/progress.slot" + std::to_string(slot);
+  return protocol::progressMarkPath(dir, slot);
 }
-
-namespace {
-
-// The job a mark belongs to: the launcher's run id (hddp-run's, or torchrun's
-// rendezvous id), so that marks an earlier job left in a reused folder do not count.
-int64_t markJob() {
-  const char* id = std::getenv("TORCHELASTIC_RUN_ID");
-  return static_cast<int64_t>(std::hash<std::string>{}(id ? id : ""));
-}
-
-}  // namespace
 
 void ProgressMark::open(const std::string& dir, int slot) {
   if (fd_ < 0 && slot >= 0 && !dir.empty()) {
@@ -128,55 +117,26 @@ void ProgressMark::open(const std::string& dir, int slot) {
 
 void ProgressMark::write(int64_t step) {
   if (fd_ >= 0) {
-    const long long value[2] = {markJob(), step};
-    (void)!::pwrite(fd_, value, sizeof(value), 0);  // a hint for the log, no fsync
+    // The job a mark belongs to (the launcher's run id), so that marks an earlier job
+    // left in a reused folder do not count.
+    protocol::writeProgressMark(fd_, {protocol::progressMarkJob(), step});
   }
 }
 
 int64_t ProgressMark::newest(const std::string& dir) {
   int64_t newest = -1;
-  const int64_t job = markJob();
+  const int64_t job = protocol::progressMarkJob();
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (entry.path().filename().string().rfind("progress.slot", 0) != 0) {
+    if (!protocol::progressMarkSlot(entry.path().filename().string())) {
       continue;
     }
-    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC);
-    long long value[2] = {0, -1};
-    if (fd >= 0 && ::pread(fd, value, sizeof(value), 0) == sizeof(value) && value[0] == job) {
-      newest = std::max<int64_t>(newest, value[1]);
-    }
-    if (fd >= 0) {
-      ::close(fd);
+    const auto mark = protocol::readProgressMark(entry.path().string());
+    if (mark && mark->job == job) {
+      newest = std::max<int64_t>(newest, mark->step);
     }
   }
   return newest;
-}
-
-JobRecord::~JobRecord() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-  }
-}
-
-void JobRecord::open(const std::string& dir, int generation) {
-  if (fd_ < 0 && !dir.empty()) {
-    fd_ = ::open((dir + "/job.jsonl").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  }
-  generation_ = generation;
-}
-
-void JobRecord::add(const std::string& event, const nlohmann::json& fields) {
-  if (fd_ < 0) {
-    return;
-  }
-  const double now =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  nlohmann::json line{
-      {"t", std::round(now * 1000) / 1000}, {"event", event}, {"generation", generation_}};
-  line.update(fields);
-  const std::string text = line.dump() + "\n";
-  (void)!::write(fd_, text.data(), text.size());  // a record for people, not a commit
 }
 
 }  // namespace train

@@ -15,12 +15,15 @@
 #include <string>
 #include <vector>
 
+#include "hddp_protocol/job_record.h"
+#include "hddp_protocol/launch.h"
+
 namespace hddp {
 namespace train {
 
-/// Exit code of a rank that committed and left for the group to re-form (hddp-run
-/// expects it; EX_TEMPFAIL).
-constexpr int kReformExitCode = 75;
+/// Exit code of a rank that committed and left for the group to re-form (the launch
+/// protocol's, hddp_protocol/launch.h).
+constexpr int kReformExitCode = protocol::kReformExitCode;
 
 struct ElasticEnv {
   bool enabled = false;  // HDDP_ELASTIC=1
@@ -80,27 +83,10 @@ class ProgressMark {
   int fd_ = -1;
 };
 
-/// The job record, `<HDDP_ELASTIC_DIR>/job.jsonl`: one JSON object per line, appended
-/// by hddp-run (generations, slots that leave and come back) and by rank 0 of each
-/// generation ("resumed", "first_step", "commit"). `hddp-probe --job DIR` and hddp-run's
-/// closing summary read it (tools/common/job_record.h). Each line is one write(2) of
-/// an O_APPEND file, so the writers never interleave within a line.
-class JobRecord {
- public:
-  JobRecord() = default;
-  JobRecord(const JobRecord&) = delete;
-  JobRecord& operator=(const JobRecord&) = delete;
-  ~JobRecord();
-  /// Opens `dir`/job.jsonl for appending; no-op when `dir` is empty.
-  void open(const std::string& dir, int generation);
-  bool enabled() const { return fd_ >= 0; }
-  /// Appends {"t": <unix seconds>, "event": <event>, "generation": g, ...fields}.
-  void add(const std::string& event, const nlohmann::json& fields = nlohmann::json::object());
-
- private:
-  int fd_ = -1;
-  int generation_ = 0;
-};
+/// The job record, `<HDDP_ELASTIC_DIR>/job.jsonl`, written by rank 0 of each generation
+/// ("resumed", "first_step", "commit") through the protocol's writer
+/// (hddp_protocol/job_record.h), which hddp-run and hddp-probe read.
+using JobRecord = jobrecord::Writer;
 
 }  // namespace train
 }  // namespace hddp

@@ -20,6 +20,7 @@
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
 #include "hddp/train/state_file.h"
+#include "hddp_protocol/launch.h"
 #include "train/model_device.h"
 #include "train/trainer_impl.h"
 
@@ -96,7 +97,7 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
 // How often the launcher restarted this program: TORCHELASTIC_RESTART_COUNT (hddp-run,
 // torchrun) or SLURM_RESTART_COUNT (a requeued Slurm job); 0 when neither is set.
 int launcherRestartCount() {
-  for (const char* name : {"TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+  for (const char* name : {protocol::kEnvRestartCount, "SLURM_RESTART_COUNT"}) {
     if (const char* text = std::getenv(name)) {
       char* end = nullptr;
       const long n = std::strtol(text, &end, 10);

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "job_record.h"
+#include "hddp_protocol/job_record.h"
 #include "support/ranks.h"
 
 namespace {

@@ -19,8 +19,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "cli_checks.h"
 #include "hddp/hddp.h"
-#include "job_record.h"
+#include "hddp_protocol/job_record.h"
+#include "hddp_protocol/launch.h"
 #include "node.h"
 #include "what_if.h"
 
@@ -107,12 +109,10 @@ int showJob(const std::string& dir, bool asJson) {
   const std::string commits = job.generations.empty() ? "" : job.generations.back().commits;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(commits, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("progress.slot", 0) == 0) {
-      std::ifstream in(entry.path(), std::ios::binary);
-      long long mark[2] = {0, -1};  // the Trainer's mark: job, step (src/train/elastic.cpp)
-      if (in.read(reinterpret_cast<char*>(mark), sizeof(mark))) {
-        reached[name.substr(13)] = mark[1];
+    const auto slot = hddp::protocol::progressMarkSlot(entry.path().filename().string());
+    if (slot) {
+      if (const auto mark = hddp::protocol::readProgressMark(entry.path().string())) {
+        reached[std::to_string(*slot)] = mark->step;
       }
     }
   }
@@ -151,11 +151,11 @@ int run(int argc, char** argv) {
   app.add_option("--sample-mib", o.sampleMiB,
                  "Device memory per sample (MiB: activations and workspace) for the memory "
                  "cap; 0 = no cap")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hddp::cli::nonNegative());
   app.add_option("--fixed-mib", o.fixedMiB,
                  "Device memory a step holds whatever the batch (MiB: parameters, gradients, "
                  "optimizer state), for the memory cap")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hddp::cli::nonNegative());
   app.add_option("--memory-headroom", o.headroom,
                  "Fraction of each device's memory kept free in the memory cap (the Trainer's "
                  "default)")

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli_checks.h"
 #include "hddp/hddp.h"
 #include "hddp/train/model_profile.h"
 #include "resnet.h"
@@ -367,7 +368,7 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
                  "the other ResNets, 1x128x128 for unet)")
       ->group(g);
   app.add_option("--classes", w.classes, "Output classes of --model")
-      ->check(CLI::PositiveNumber)
+      ->check(hddp::cli::positive())
       ->capture_default_str()
       ->group(g);
   app.add_option("--amp", w.amp, "Precision: off, bf16 or fp16 (default off)")->group(g);
@@ -398,7 +399,7 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
   app.add_option("--memory-traffic", w.settings.memoryTraffic,
                  "Without a calibration: device-memory bytes a step moves per byte of saved "
                  "activations (default: fitted with --efficiency; 0 = products only)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(hddp::cli::nonNegative())
       ->capture_default_str()
       ->group(g);
   app.add_option("--optimizer", w.optimizer,
@@ -411,7 +412,7 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
   app.add_option("--allreduce-gbps", w.settings.allreduceGBps,
                  "The gradient ring's bandwidth when it has its own path (NVLink; ranks of one "
                  "host over loopback), GB/s; default: the slowest device link")
-      ->check(CLI::NonNegativeNumber)
+      ->check(hddp::cli::nonNegative())
       ->group(g);
   app.add_option("--svg", w.svg, "Also draw each device's time per step as an SVG chart")->group(g);
 }

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "group.h"
-#include "job_record.h"
+#include "hddp_protocol/job_record.h"
 
 namespace hddp {
 namespace run {
@@ -56,7 +56,7 @@ pid_t startRejoinCheck(const LaunchConfig& config, int slot) {
   }
   const pid_t pid = fork();
   if (pid == 0) {
-    setenv("HDDP_SLOT", std::to_string(slot).c_str(), 1);
+    setenv(protocol::kEnvSlot, std::to_string(slot).c_str(), 1);
     setenv("HDDP_SLOT_DEVICE", device.c_str(), 1);
     const int devnull = open("/dev/null", O_WRONLY);
     if (devnull >= 0) {
@@ -97,7 +97,7 @@ std::string jobFolder(const LaunchConfig& config) {
     say("--job-dir " + config.jobDir + ": cannot create it: " + ec.message());
     return "";
   }
-  if (std::filesystem::exists(config.jobDir + "/job.jsonl", ec)) {
+  if (std::filesystem::exists(config.jobDir + "/" + protocol::kJobRecordFile, ec)) {
     say("--job-dir " + config.jobDir +
         " holds an earlier job's record (job.jsonl): give an empty or new folder");
     return "";
@@ -185,7 +185,7 @@ int launchElastic(const LaunchConfig& config) {
         " rank(s) on slots " + slotList + ", store " + config.masterAddr + ":" +
         std::to_string(port));
     std::error_code ec;
-    std::filesystem::remove(dir + "/reform", ec);  // the last generation's request is met
+    std::filesystem::remove(dir + "/" + protocol::kReformFile, ec);  // the last generation's request is met
     jobrecord::append(dir, "generation", generation, {{"slots", active}, {"port", port}});
     Group group(config, port, generation, active, dir);
     if (!group.start()) {

@@ -105,21 +105,21 @@ bool Group::start() {
         "GROUP_RANK=" + std::to_string(config_.nodeRank),
         "MASTER_ADDR=" + config_.masterAddr,
         "MASTER_PORT=" + std::to_string(port_),
-        "TORCHELASTIC_RESTART_COUNT=" + std::to_string(restartCount_),
+        std::string(protocol::kEnvRestartCount) + "=" + std::to_string(restartCount_),
         "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(config_.maxRestarts),
-        "TORCHELASTIC_RUN_ID=hddp-" + std::to_string(getpid()),
+        std::string(protocol::kEnvRunId) + "=hddp-" + std::to_string(getpid()),
     };
     if (elastic) {
-      env.push_back("HDDP_ELASTIC=1");
-      env.push_back("HDDP_SLOT=" + std::to_string(slot));
-      env.push_back("HDDP_ELASTIC_DIR=" + elasticDir_);
+      env.push_back(std::string(protocol::kEnvElastic) + "=1");
+      env.push_back(std::string(protocol::kEnvSlot) + "=" + std::to_string(slot));
+      env.push_back(std::string(protocol::kEnvElasticDir) + "=" + elasticDir_);
       // Per-rank lists (--emulate-*, --max-local-batch) name slots in an elastic job.
       std::string slotList;
       for (int active : slots_) {
         slotList += (slotList.empty() ? "" : ",") + std::to_string(active);
       }
-      env.push_back("HDDP_SLOTS=" + slotList);
-      env.push_back("HDDP_SLOT_COUNT=" + std::to_string(config_.nprocPerNode));
+      env.push_back(std::string(protocol::kEnvSlots) + "=" + slotList);
+      env.push_back(std::string(protocol::kEnvSlotCount) + "=" + std::to_string(config_.nprocPerNode));
     }
     if (!config_.devices.empty()) {
       std::string list;
@@ -210,7 +210,7 @@ void Group::requestReform() {
     // A file for the ranks still starting (not yet listening for the signal), the
     // signal for the others; the ranks look for both at each commit.
     const int fd =
-        ::open((elasticDir_ + "/reform").c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+        ::open((elasticDir_ + "/" + protocol::kReformFile).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (fd >= 0) {
       ::close(fd);
     }

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "hddp_protocol/launch.h"
+
 namespace hddp {
 namespace run {
 
@@ -51,8 +53,8 @@ struct LaunchConfig {
 };
 
 /// The exit code with which a rank leaves at a commit so that the group re-forms
-/// (hddp-run asked for it with SIGUSR1; see hddp/train/trainer.h).
-constexpr int kReformExitCode = 75;
+/// (hddp-run asked for it with SIGUSR1): the launch protocol's.
+constexpr int kReformExitCode = protocol::kReformExitCode;
 
 /// A usage error: the exit code of a configuration error (2, hddp's trainers) or of a
 /// command line that CLI11 rejects (100 to 114, e.g. 105 for a value out of range).

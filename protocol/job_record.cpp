@@ -1,4 +1,4 @@
-#include "job_record.h"
+#include "hddp_protocol/job_record.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,6 +9,8 @@
 #include <cstdio>
 #include <fstream>
 #include <stdexcept>
+
+#include "hddp_protocol/launch.h"
 
 namespace hddp {
 namespace jobrecord {
@@ -45,24 +47,56 @@ double unixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-void append(const std::string& dir, const std::string& event, int generation,
-            const nlohmann::json& fields) {
+namespace {
+
+std::string jobRecordPath(const std::string& dir) {
+  return dir + "/" + protocol::kJobRecordFile;
+}
+
+// One line of the record, newline included.
+std::string eventLine(const std::string& event, int generation, const nlohmann::json& fields) {
   json line = {
       {"t", std::round(unixNow() * 1000) / 1000}, {"event", event}, {"generation", generation}};
   for (auto it = fields.begin(); it != fields.end(); ++it) {
     line[it.key()] = it.value();
   }
-  const std::string text = line.dump() + "\n";
-  const int fd =
-      ::open((dir + "/job.jsonl").c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  return line.dump() + "\n";
+}
+
+}  // namespace
+
+void append(const std::string& dir, const std::string& event, int generation,
+            const nlohmann::json& fields) {
+  const std::string text = eventLine(event, generation, fields);
+  const int fd = ::open(jobRecordPath(dir).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd >= 0) {
     (void)!::write(fd, text.data(), text.size());
     ::close(fd);
   }
 }
 
+Writer::~Writer() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+void Writer::open(const std::string& dir, int generation) {
+  if (fd_ < 0 && !dir.empty()) {
+    fd_ = ::open(jobRecordPath(dir).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  }
+  generation_ = generation;
+}
+
+void Writer::add(const std::string& event, const nlohmann::json& fields) {
+  if (fd_ >= 0) {
+    const std::string text = eventLine(event, generation_, fields);
+    (void)!::write(fd_, text.data(), text.size());  // a record for people, not a commit
+  }
+}
+
 Job read(const std::string& dir) {
-  const std::string path = dir + "/job.jsonl";
+  const std::string path = jobRecordPath(dir);
   std::ifstream in(path);
   if (!in) {
     throw std::runtime_error("cannot read " + path +

@@ -18,6 +18,25 @@ namespace jobrecord {
 void append(const std::string& dir, const std::string& event, int generation,
             const nlohmann::json& fields = nlohmann::json::object());
 
+/// The same lines from a writer that keeps the file open (rank 0 of a generation).
+/// Used from one thread.
+class Writer {
+ public:
+  Writer() = default;
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+  ~Writer();
+  /// Opens `dir`/job.jsonl for appending; no-op when `dir` is empty.
+  void open(const std::string& dir, int generation);
+  bool enabled() const { return fd_ >= 0; }
+  /// Appends {"t": <unix seconds>, "event": <event>, "generation": g, ...fields}.
+  void add(const std::string& event, const nlohmann::json& fields = nlohmann::json::object());
+
+ private:
+  int fd_ = -1;
+  int generation_ = 0;
+};
+
 struct Generation {
   int number = 0;
   double start = 0;          // hddp-run started its ranks (unix seconds)

@@ -1,0 +1,2 @@
+// A fixture: topology may use core only, not its sibling checkpoint.
+#include "hddp/checkpoint/checkpoint.h"

@@ -524,67 +524,20 @@ TEST(StepTiming, DeviceTimerRefusesTheCpu) {
                     "GPU machine)";                                                        \
   }
 
-// On a device the wait is on the stream: the compute stream waits (event block) for a
-// long kernel on another stream, as it waits for NCCL's; the host returns at once. The
-// device timer counts that span as waiting, the rest as compute, and hands the step
-// over only once its events have completed, without synchronizing.
-TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_CUDA) {
-  SKIP_WITHOUT_CUDA();
-  const c10::Device dev(c10::kCUDA, 0);
+// One step on `dev` timed by the device timer: a little compute, a "collective" that
+// `launch` queues on another stream (recording `done` there), the compute stream waiting
+// for it through the event, a little more compute. The timer must count that span as
+// waiting and the rest as compute, and hand the step over only once its events have
+// completed. Returns the step's timing.
+hddp::StepTiming timeAStreamWait(const c10::Device& dev, const char* describe,
+                                 const std::function<void(c10::Event& done)>& launch) {
   auto timer = hddp::makeStepTimer(dev);
-  EXPECT_STREQ(timer->describe(), "cuda:0 events");
-  auto a = torch::randn({2048, 2048}, torch::TensorOptions().device(dev));
-  auto small = torch::randn({256, 256}, torch::TensorOptions().device(dev));
-  torch::cuda::synchronize();
-  c10::impl::VirtualGuardImpl guard(c10::kCUDA);
-  const c10::Stream compute = guard.getStream(dev);
-  const c10::Stream other = guard.getStreamFromGlobalPool(dev, false);
-  timer->start({0, 8, 0});
-  for (int i = 0; i < 5; ++i) {
-    small = small.mm(small).tanh();  // a little compute
-  }
-  // The "collective": 40 large matmuls on the other stream, the compute stream waits.
-  c10::Event done(c10::kCUDA);
-  {
-    c10::StreamGuard on(other);
-    auto b = a;
-    for (int i = 0; i < 40; ++i) {
-      b = b.mm(a).tanh();
-    }
-    done.record(other);
-  }
-  timer->beginWait();
-  done.block(compute);
-  timer->endWait();
-  for (int i = 0; i < 5; ++i) {
-    small = small.mm(small).tanh();
-  }
-  timer->stop();
-  torch::cuda::synchronize();
-  const auto t = timer->collect();
-  ASSERT_EQ(t.size(), 1u);
-  EXPECT_GT(t[0].waitSeconds, 0.0);
-  EXPECT_GT(t[0].waitSeconds, 5 * t[0].computeSeconds())
-      << "total " << t[0].totalSeconds << " s, wait " << t[0].waitSeconds << " s";
-  EXPECT_GT(t[0].computeSeconds(), 0.0);
-  EXPECT_GT(t[0].tailSeconds, 0.0);
-}
-
-// The twin on hddp::emu: the "collective" is a copy queued on a side stream that runs
-// 300 ms later (emu's stream delay), and the compute stream waits for it through an
-// event. The device timer's events put that wait into waitSeconds and leave it out of
-// the compute time, as on CUDA.
-TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_Emu) {
-  const c10::Device dev = hddp::testing::emulatedDevice(0);
-  auto timer = hddp::makeStepTimer(dev);
-  EXPECT_STREQ(timer->describe(), "emu:0 events");
-  auto host = torch::randn({1 << 20});
-  auto a = torch::empty({1 << 20}, torch::TensorOptions().device(dev));
+  EXPECT_STREQ(timer->describe(), describe);
   auto small = torch::randn({64, 64}, torch::TensorOptions().device(dev));
   c10::impl::VirtualGuardImpl guard(dev.type());
+  guard.synchronizeDevice(dev.index());
   const c10::Stream compute = guard.getStream(dev);
   const c10::Stream other = guard.getStreamFromGlobalPool(dev, false);
-  hddp::emu::setStreamDelay(std::chrono::milliseconds(300));
   timer->start({0, 8, 0});
   for (int i = 0; i < 5; ++i) {
     small = small.mm(small).tanh();  // a little compute
@@ -592,8 +545,7 @@ TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_Emu) {
   c10::Event done(dev.type());
   {
     c10::StreamGuard on(other);
-    a.copy_(host, /*non_blocking=*/true);  // the "collective": runs 300 ms later
-    done.record(other);
+    launch(done);
   }
   timer->beginWait();
   done.block(compute);
@@ -603,14 +555,47 @@ TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_Emu) {
   }
   timer->stop();
   guard.synchronizeDevice(dev.index());
-  hddp::emu::setStreamDelay(std::chrono::milliseconds(0));
   const auto t = timer->collect();
-  ASSERT_EQ(t.size(), 1u);
-  EXPECT_GE(t[0].waitSeconds, 0.25) << "total " << t[0].totalSeconds << " s";
+  EXPECT_EQ(t.size(), 1u);
+  if (t.empty()) {
+    return {};
+  }
   EXPECT_GT(t[0].waitSeconds, 5 * t[0].computeSeconds())
       << "total " << t[0].totalSeconds << " s, wait " << t[0].waitSeconds << " s";
   EXPECT_GT(t[0].computeSeconds(), 0.0);
   EXPECT_GT(t[0].tailSeconds, 0.0);
+  return t[0];
+}
+
+// On a device the wait is on the stream: the compute stream waits (event block) for a
+// long kernel on another stream, as it waits for NCCL's; the host returns at once.
+TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_CUDA) {
+  SKIP_WITHOUT_CUDA();
+  const c10::Device dev(c10::kCUDA, 0);
+  auto a = torch::randn({2048, 2048}, torch::TensorOptions().device(dev));
+  const auto t = timeAStreamWait(dev, "cuda:0 events", [&](c10::Event& done) {
+    auto b = a;  // the "collective": 40 large matmuls on the other stream
+    for (int i = 0; i < 40; ++i) {
+      b = b.mm(a).tanh();
+    }
+    done.record(c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(dev));
+  });
+  EXPECT_GT(t.waitSeconds, 0.0);
+}
+
+// The twin on hddp::emu: the "collective" is a copy queued on a side stream that runs
+// 300 ms later (emu's stream delay).
+TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_Emu) {
+  const c10::Device dev = hddp::testing::emulatedDevice(0);
+  auto host = torch::randn({1 << 20});
+  auto a = torch::empty({1 << 20}, torch::TensorOptions().device(dev));
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(300));
+  const auto t = timeAStreamWait(dev, "emu:0 events", [&](c10::Event& done) {
+    a.copy_(host, /*non_blocking=*/true);  // runs 300 ms later on the side stream
+    done.record(c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
+  });
+  hddp::emu::setStreamDelay(std::chrono::milliseconds(0));
+  EXPECT_GE(t.waitSeconds, 0.25) << "total " << t.totalSeconds << " s";
   EXPECT_TRUE(torch::equal(a.cpu(), host));
 }
 

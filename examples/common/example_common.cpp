@@ -15,6 +15,7 @@
 #include "hddp/balance/emulation.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/devices.h"
+#include "hddp/comm/launch.h"
 #ifdef HDDP_EXAMPLES_WITH_EMU
 #include "hddp/emu/emu.h"
 #endif
@@ -142,8 +143,8 @@ bool namesEmulator(std::string text) {
 
 // The device text this rank resolves its device from, as hddp::resolveDevice reads it:
 // --device, else this local rank's entry of HDDP_DEVICE (the whole text when it names one
-// device for all, every entry when LOCAL_RANK does not pick one, which resolveDevice
-// then reports).
+// device for all, every entry when the launch information does not pick one, which
+// resolveDevice then reports).
 std::vector<std::string> rankDeviceTexts(const CommonFlags& flags) {
   if (!flags.device.empty()) {
     return {flags.device};
@@ -157,15 +158,17 @@ std::vector<std::string> rankDeviceTexts(const CommonFlags& flags) {
   for (std::string entry; std::getline(in, entry, ',');) {
     entries.push_back(entry);
   }
-  const char* localRank = std::getenv("LOCAL_RANK");
-  if (entries.size() > 1 && localRank != nullptr) {
+  if (entries.size() > 1) {
+    // This rank's entry by the local rank resolveDevice will use (torchrun's LOCAL_RANK,
+    // Slurm's SLURM_LOCALID, Open MPI's, ...).
     try {
-      const size_t r = std::stoul(localRank);
+      const auto r =
+          static_cast<size_t>(detectLaunch(InitOptions{}, processEnvironment()).localRank);
       if (r < entries.size()) {
         return {entries[r]};
       }
     } catch (const std::exception&) {
-      // a malformed LOCAL_RANK: the launch information reports it
+      // malformed launch variables: initialization reports them
     }
   }
   return entries;

@@ -133,12 +133,20 @@ bool BatchPlanner::endStep() {
   // sample, and the memory cap derived from its measured memory (-1: none).
   const RankEstimator::Estimate own = estimator_.estimate();
   const int64_t ownCap = memory_.cap(options_.memoryHeadroom);
-  // What every rank tells the others: its estimate and its derived cap (-1: none).
+  // What every rank tells the others: its estimate and its derived cap (-1: none). No
+  // padding, so that every byte sent is a field's.
   struct Shared {
-    RankEstimator::Estimate estimate;
+    double secondsPerSample;
+    double relativeError;
+    double fixedSeconds;
+    double transferSecondsPerSample;
+    double bytesPerSample;
     int64_t cap;
   };
-  const Shared mine{own, ownCap == std::numeric_limits<int64_t>::max() ? -1 : ownCap};
+  static_assert(sizeof(Shared) == 6 * 8, "Shared must have no padding");
+  const Shared mine{own.secondsPerSample,         own.relativeError,  own.fixedSeconds,
+                    own.transferSecondsPerSample, own.bytesPerSample,
+                    ownCap == std::numeric_limits<int64_t>::max() ? -1 : ownCap};
   const auto exchangeStart = std::chrono::steady_clock::now();
   const std::vector<Shared> all = allgatherValue(comm_, mine);
   lastExchangeSeconds_ =
@@ -146,7 +154,11 @@ bool BatchPlanner::endStep() {
   std::vector<RankEstimator::Estimate> estimates(all.size());
   std::vector<int64_t> derived(all.size(), std::numeric_limits<int64_t>::max());
   for (size_t r = 0; r < all.size(); ++r) {
-    estimates[r] = all[r].estimate;
+    estimates[r].secondsPerSample = all[r].secondsPerSample;
+    estimates[r].relativeError = all[r].relativeError;
+    estimates[r].fixedSeconds = all[r].fixedSeconds;
+    estimates[r].transferSecondsPerSample = all[r].transferSecondsPerSample;
+    estimates[r].bytesPerSample = all[r].bytesPerSample;
     if (all[r].cap >= 0) {
       derived[r] = all[r].cap;
     }

@@ -66,11 +66,12 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
                                                const EmulationOptions& emulation) {
   SampleRng rng(sampleSeed(options_.seed, 0, 0));
   const double bytesPerSample = static_cast<double>(data.get(0, rng).input.nbytes());
+  // The link first (a few copies), then the timed forward, as before the seed rule moved.
+  RankProfile profile = profileOf(device_, bytesPerSample, /*measureLink=*/!device_.is_cpu());
   SeedMeasurement measured;
   measured.computeSecondsPerSample = timeForward(data);
   measured.pinnedSideStreamCopies = options_.loader.pinMemory;
-  const RankProfile profile = seedProfile(
-      profileOf(device_, bytesPerSample, /*measureLink=*/!device_.is_cpu()), measured, emulation);
+  profile = seedProfile(profile, measured, emulation);
   const RankCost mine = costOf(profile);
   HDDP_LOG_INFO("balance", "rank ", comm_.rank(), " seed: ", mine.secondsPerSample * 1e3,
                 " ms/sample (timed forward x3",

@@ -245,6 +245,24 @@ TEST(HddpProbe, ListsAndPlansForEmulatedDevices_Emu) {
   EXPECT_GT(2 * b0, 3 * b1) << "emu:1 runs 3x slower, the split should favour emu:0" << ranks;
 }
 
+// hddp-run's rejoin check for a slot on emu: --check-device installs emu when the device
+// names it and answers for an emulated device it has, not for one it lacks.
+TEST(HddpProbe, CheckDeviceAnswersForAnEmulatedDevice_Emu) {
+  const std::string probe = hddp::testing::toolsDir() + "/../hddp-probe/hddp-probe";
+  const auto present = hddp::testing::runCommand("HDDP_EMU_DEVICES=2 " + probe +
+                                                 " --check-device emu:1 2>&1");
+  if (torch::cuda::is_available()) {
+    GTEST_SKIP() << "with CUDA visible hddp-probe does not install emu";
+  }
+  EXPECT_EQ(present.exitCode, 0) << present.output;
+  EXPECT_NE(present.output.find("emu:1 answers"), std::string::npos) << present.output;
+  const auto absent = hddp::testing::runCommand("HDDP_EMU_DEVICES=2 " + probe +
+                                                " --check-device emu:5 2>&1");
+  EXPECT_EQ(absent.exitCode, 1) << absent.output;
+  EXPECT_NE(absent.output.find("not visible (2 emu device(s))"), std::string::npos)
+      << absent.output;
+}
+
 // The memory cap column follows the Trainer's rule: an emulated device of 500 MiB on
 // which a step takes 100 MiB + 12 MiB per sample holds floor((450 - 100) / 12) = 29
 // samples with 10% kept free, 33 with none; the split keeps to it.

@@ -57,6 +57,10 @@ namespace {
 // --check-device: 0 when the device is there and runs a kernel, 1 when not, 2 on a bad
 // name.
 int checkDeviceAnswers(const std::string& name) {
+  const std::string emulatorNote = installEmulatorIfAsked(name);
+  if (!emulatorNote.empty()) {
+    std::fprintf(stderr, "hddp-probe: %s\n", emulatorNote.c_str());
+  }
   const int cudaCount =
       at::detail::getCUDAHooks().hasCUDA() ? at::detail::getCUDAHooks().deviceCount() : 0;
   c10::Device device(c10::kCPU);
@@ -79,7 +83,15 @@ int checkDeviceAnswers(const std::string& name) {
     std::printf("%s: cpu answers\n", name.c_str());
     return 0;
   }
-  if (device.index() >= cudaCount) {
+  if (device.type() == c10::DeviceType::PrivateUse1) {
+    const int count = static_cast<int>(
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->deviceCount());
+    if (device.index() >= count) {
+      std::printf("%s: %s is not visible (%d %s device(s))\n", name.c_str(),
+                  device.str().c_str(), count, c10::get_privateuse1_backend().c_str());
+      return 1;
+    }
+  } else if (device.index() >= cudaCount) {
     std::printf("%s: %s is not visible (%d CUDA device(s))\n", name.c_str(), device.str().c_str(),
                 cudaCount);
     return 1;
@@ -196,7 +208,7 @@ int run(int argc, char** argv) {
     return showJob(jobDir, o.asJson);
   }
 
-  installEmulatorIfAsked();
+  const std::string emulatorNote = installEmulatorIfAsked();
   const bool hasCuda = at::detail::getCUDAHooks().hasCUDA();
   json out;
   out["versions"] = versions(hasCuda);
@@ -204,6 +216,9 @@ int run(int argc, char** argv) {
   topo.sysfsRoot = o.sysfs;
   const auto devices = hddp::probeDevices(topo);
   std::vector<std::string> advice;
+  if (!emulatorNote.empty()) {
+    advice.push_back(emulatorNote);
+  }
   const json devs = describeDevices(devices, o, hasCuda, advice);
   out["devices"] = devs;
   const auto emulated = std::count_if(devices.begin(), devices.end(), [](const auto& d) {

@@ -55,17 +55,24 @@ double calibrate(const c10::Device& device, int64_t batch) {
   return best / static_cast<double>(batch);
 }
 
-// The device's free memory now (its total minus what every process holds on it).
+// The device's free memory now (its total minus what every process holds on it); -1
+// when unknown (the CPU, an allocator without memory figures).
 int64_t freeBytes(const c10::Device& device) {
   if (device.is_cpu()) {
-    return 0;
+    return -1;
   }
   auto* allocator = dynamic_cast<c10::DeviceAllocator*>(c10::GetAllocator(device.type()));
   if (allocator == nullptr) {
-    return 0;
+    return -1;
   }
-  return static_cast<int64_t>(allocator->getMemoryInfo(device.index()).first);
+  try {
+    return static_cast<int64_t>(allocator->getMemoryInfo(device.index()).first);
+  } catch (const c10::Error&) {
+    return -1;
+  }
 }
+
+std::string freeText(const c10::Device& device);
 
 // Whether a device is an accelerator hddp-probe plans a rank for: a CUDA device, or one
 // of a PrivateUse1 backend (hddp::emu).
@@ -75,18 +82,25 @@ bool isAccelerator(const c10::Device& device) {
 
 }  // namespace
 
-void installEmulatorIfAsked() {
+std::string installEmulatorIfAsked(const std::string& deviceName) {
   const char* count = std::getenv("HDDP_EMU_DEVICES");
   const char* device = std::getenv("HDDP_DEVICE");
-  std::string text = device ? device : "";
+  std::string text = std::string(device ? device : "") + "," + deviceName;
   std::transform(text.begin(), text.end(), text.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   const bool named = text.rfind("emu", 0) == 0 || text.find(",emu") != std::string::npos;
   if (!(count && *count) && !named) {
-    return;
+    return "";
+  }
+  if (at::detail::getCUDAHooks().hasCUDA()) {
+    // Installed, emu would become LibTorch's accelerator and pin host memory for itself:
+    // the CUDA devices' pinned bandwidth would be measured from emu's memory.
+    return "HDDP_EMU_DEVICES / HDDP_DEVICE ask for hddp::emu, but CUDA devices are visible: "
+           "emu is not installed next to them (it would take over pinned host memory)";
   }
 #ifdef HDDP_PROBE_WITH_EMU
   hddp::emu::install();
+  return "";
 #else
   throw std::runtime_error(
       "HDDP_EMU_DEVICES or HDDP_DEVICE asks for hddp::emu, but this build has none "
@@ -100,6 +114,16 @@ std::string gib(int64_t bytes) {
   char b[32];
   std::snprintf(b, sizeof(b), "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
   return b;
+}
+
+}  // namespace
+
+namespace {
+
+// " (2.0 GiB free)", or nothing when unknown.
+std::string freeText(const c10::Device& device) {
+  const int64_t free = freeBytes(device);
+  return free < 0 ? std::string() : " (" + gib(free) + " free)";
 }
 
 // hddp-probe's copies: 32 MiB, best of 3 (a quick look, not a benchmark).
@@ -131,7 +155,9 @@ json describeDevices(const std::vector<hddp::DeviceInfo>& devices, const ProbeOp
   for (const auto& d : devices) {
     json j = {{"device", d.device.str()}, {"name", d.name}, {"memory_bytes", d.memoryBytes}};
     if (isAccelerator(d.device)) {
-      j["free_bytes"] = freeBytes(d.device);
+      if (freeBytes(d.device) >= 0) {
+        j["free_bytes"] = freeBytes(d.device);
+      }
       j["sm_count"] = d.smCount;
       j["compute_capability"] =
           std::to_string(d.computeMajor) + "." + std::to_string(d.computeMinor);
@@ -228,7 +254,7 @@ ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& de
           fit.perSampleBytes = sampleMiB * (1 << 20);
           fit.totalBytes = static_cast<double>(d.memoryBytes);
           fit.otherBytes =
-              dev.is_cpu() ? 0 : static_cast<double>(d.memoryBytes - freeBytes(dev));
+              freeBytes(dev) < 0 ? 0 : static_cast<double>(d.memoryBytes - freeBytes(dev));
           profile.maxSamples = hddp::MemoryEstimator::capFor(fit, o.headroom);
         }
       }
@@ -303,7 +329,7 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
     std::printf("  %-7s %s, %s", d.device.str().c_str(), d.name.c_str(),
                 gib(d.memoryBytes).c_str());
     if (d.device.is_cuda()) {
-      std::printf(" (%s free), %d SMs, sm_%d%d, %s", gib(freeBytes(d.device)).c_str(), d.smCount,
+      std::printf("%s, %d SMs, sm_%d%d, %s", freeText(d.device).c_str(), d.smCount,
                   d.computeMajor, d.computeMinor, d.pciBusId.c_str());
       if (d.link) {
         std::printf(", PCIe Gen%d x%d (max Gen%d x%d, %.1f GB/s)", d.link->currentGen,
@@ -311,7 +337,7 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
       }
       if (d.external) std::printf(", eGPU: %s", d.external->c_str());
     } else if (isAccelerator(d.device)) {
-      std::printf(" (%s free)", gib(freeBytes(d.device)).c_str());
+      std::printf("%s", freeText(d.device).c_str());
     } else {
       std::printf(", %d cores, link: memory", d.smCount);
     }

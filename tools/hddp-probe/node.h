@@ -43,9 +43,11 @@ struct ProbePlan {
   double allreduceSeconds = 0.0;  // ring allreduce of --param-bytes over the slowest link
 };
 
-/// Installs hddp::emu when HDDP_EMU_DEVICES is set or HDDP_DEVICE names emu, so that the
-/// emulated devices are listed and planned for as a training job would see them.
-void installEmulatorIfAsked();
+/// Installs hddp::emu when HDDP_EMU_DEVICES is set or HDDP_DEVICE (or `deviceName`) names
+/// emu, so that the emulated devices are listed and planned for as a training job would
+/// see them; not where CUDA devices are visible (emu would take over pinned host memory),
+/// which the returned advice says (empty otherwise).
+std::string installEmulatorIfAsked(const std::string& deviceName = "");
 
 /// hddp's, LibTorch's, CUDA's, cuDNN's and NCCL's versions.
 json versions(bool hasCuda);

@@ -3,8 +3,9 @@
 // that would otherwise pack bytes by hand.
 //
 // allgatherValue<T>(comm, mine) returns every rank's T, by rank. T must be trivially
-// copyable (plain structs and arrays of numbers: its bytes travel as they are, so every
-// rank must run the same build, as for any collective). Blocking; a collective: every rank
+// copyable (plain structs and arrays of numbers: its bytes travel as they are, padding
+// included, so give T no padding; every rank must run the same build, as for any
+// collective). Blocking; a collective: every rank
 // calls it in the same order. Throws hddp::Error naming the rank when a rank sent a value
 // of another size (a rank of another build).
 #pragma once

@@ -312,16 +312,17 @@ TEST(ModelProfile, CalibratesOnACudaCard_CUDA) {
   EXPECT_LT(p.calibratedSecondsPerSample, 1e-3) << "a small net on a GPU";
 }
 
-// On an emulated card 3x slower than another, the calibration measures it 3x slower
-// (emu sleeps twice each operator's compute time).
+// On an emulated card 5x slower than another, the calibration measures it about 5x
+// slower (emu sleeps four times each operator's compute time); at least 2x, so that a
+// timing disturbed by other processes does not fail the test.
 TEST(ModelProfile, CalibratesOnAnEmulatedCard_Emu) {
   const c10::Device fast = hddp::testing::emulatedDevice(0);
   const c10::Device slow(c10::DeviceType::PrivateUse1, 1);
-  hddp::emu::setSlowdown(1, 3.0);
+  hddp::emu::setSlowdown(1, 5.0);
   const auto a = calibrateOn(fast, 8);
   const auto b = calibrateOn(slow, 8);
   const double ratio = b.calibratedSecondsPerSample / a.calibratedSecondsPerSample;
-  EXPECT_GT(ratio, 1.8) << "emu:1 is 3x slower";
+  EXPECT_GT(ratio, 2.0) << "emu:1 is 5x slower";
   EXPECT_GT(hddp::emu::counters(1).slowdownSeconds, 0.0);
 }
 

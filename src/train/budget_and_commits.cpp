@@ -1,5 +1,6 @@
-// The agreements the Trainer's ranks make between steps: the step at which the time
-// budget ends the run, and the commits of an elastic job (elastic.h).
+// The time budget and the commits: what the Trainer's ranks agree on between steps (the
+// step at which the time budget ends the run, and the commits of an elastic job,
+// elastic.h).
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -119,6 +119,10 @@ at::Tensor copyFromAndResize(const at::Tensor& self, const at::Tensor& dst) {
 
 const at::Tensor& resize(const at::Tensor& self, c10::SymIntArrayRef size,
                          std::optional<c10::MemoryFormat> format) {
+  // A growing tensor gets new memory from the allocator, which takes the current device:
+  // make it the tensor's, as CUDA's resize_ does. Without it an out= result of a rank on
+  // emu:1 whose thread's current device is emu:0 moved to emu:0.
+  const c10::DeviceGuard guard(self.device());
   return at::native::resize_(self, C10_AS_INTARRAYREF_SLOW(size), format);
 }
 

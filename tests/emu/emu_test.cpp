@@ -2,6 +2,7 @@
 // the options.
 
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -128,6 +129,23 @@ TEST_F(EmuOps, FactoryFunctionsCreateTensorsOnEmu) {
   const auto onCpu = torch::randn({8});
   EXPECT_EQ(onEmu.device(), emuDevice(0));
   EXPECT_TRUE(torch::equal(onEmu.cpu(), onCpu));  // emu draws from the CPU generator
+}
+
+// A factory or out= operator for emu:1, issued while the thread's current device is emu:0
+// (a rank on emu:1 that never set its current device, as a Gloo rank on cuda:1 need not):
+// the result lies on emu:1, as on CUDA. Before, arange's out= result grew through
+// resize_, which took memory from the current device, and the tensor moved to emu:0.
+TEST_F(EmuOps, ResultsLieOnTheRequestedDeviceNotTheCurrentOne) {
+  c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->setDevice(emuDevice(0));
+  const auto options = torch::TensorOptions().device(emuDevice(1)).dtype(torch::kLong);
+  const auto ids = torch::arange(3, options);
+  EXPECT_EQ(ids.device(), emuDevice(1));
+  auto grown = torch::empty({0}, options);
+  grown.resize_({5});
+  EXPECT_EQ(grown.device(), emuDevice(1));
+  const auto sum = (ids + torch::ones({3}, options)).sum();
+  EXPECT_EQ(sum.device(), emuDevice(1));
+  EXPECT_EQ(sum.item<int64_t>(), 6);
 }
 
 TEST_F(EmuOps, FreshDeviceMemoryHoldsThePoisonPattern) {

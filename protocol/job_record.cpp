@@ -49,9 +49,7 @@ double unixNow() {
 
 namespace {
 
-std::string jobRecordPath(const std::string& dir) {
-  return dir + "/" + protocol::kJobRecordFile;
-}
+std::string jobRecordPath(const std::string& dir) { return dir + "/" + protocol::kJobRecordFile; }
 
 // One line of the record, newline included.
 std::string eventLine(const std::string& event, int generation, const nlohmann::json& fields) {
@@ -68,7 +66,8 @@ std::string eventLine(const std::string& event, int generation, const nlohmann::
 void append(const std::string& dir, const std::string& event, int generation,
             const nlohmann::json& fields) {
   const std::string text = eventLine(event, generation, fields);
-  const int fd = ::open(jobRecordPath(dir).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  const int fd =
+      ::open(jobRecordPath(dir).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd >= 0) {
     (void)!::write(fd, text.data(), text.size());
     ::close(fd);

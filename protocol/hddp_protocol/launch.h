@@ -41,7 +41,7 @@ constexpr const char* kJobRecordFile = "job.jsonl";
 /// A rank's progress mark: the last step it finished, in `<dir>/progress.slot<N>` of
 /// the commit folder, two int64 values (job, step) at offset 0 in host byte order.
 struct ProgressMark {
-  int64_t job = 0;   // progressMarkJob() of the writer: marks of another job do not count
+  int64_t job = 0;  // progressMarkJob() of the writer: marks of another job do not count
   int64_t step = -1;
 };
 /// "<dir>/progress.slot<slot>".

@@ -13,8 +13,8 @@
 
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
-#include "hddp_protocol/launch.h"
 #include "hddp/core/logging.h"
+#include "hddp_protocol/launch.h"
 
 namespace hddp {
 

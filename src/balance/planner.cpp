@@ -144,9 +144,10 @@ bool BatchPlanner::endStep() {
     int64_t cap;
   };
   static_assert(sizeof(Shared) == 6 * 8, "Shared must have no padding");
-  const Shared mine{own.secondsPerSample,         own.relativeError,  own.fixedSeconds,
-                    own.transferSecondsPerSample, own.bytesPerSample,
-                    ownCap == std::numeric_limits<int64_t>::max() ? -1 : ownCap};
+  const Shared mine{
+      own.secondsPerSample, own.relativeError,
+      own.fixedSeconds,     own.transferSecondsPerSample,
+      own.bytesPerSample,   ownCap == std::numeric_limits<int64_t>::max() ? -1 : ownCap};
   const auto exchangeStart = std::chrono::steady_clock::now();
   const std::vector<Shared> all = allgatherValue(comm_, mine);
   lastExchangeSeconds_ =

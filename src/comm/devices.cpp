@@ -157,13 +157,12 @@ std::vector<c10::Device> parseDeviceListFor(const std::string& text, const std::
                 " is empty; give one device per local rank, e.g. cuda:0,cpu");
   for (size_t i = 0; i < parts.size(); ++i) {
     if (parts.size() > 1 && rankEntry >= 0 && static_cast<int>(i) != rankEntry &&
-        namesEmu(parts[i]) &&
-        !c10::is_privateuse1_backend_registered()) {
+        namesEmu(parts[i]) && !c10::is_privateuse1_backend_registered()) {
       const std::string t = lower(trimmed(parts[i]));
-      devices.push_back(t == "emu" ? c10::Device(c10::DeviceType::PrivateUse1)
-                                   : c10::Device(c10::DeviceType::PrivateUse1,
-                                                 static_cast<c10::DeviceIndex>(
-                                                     std::stoi(t.substr(4)))));
+      devices.push_back(t == "emu"
+                            ? c10::Device(c10::DeviceType::PrivateUse1)
+                            : c10::Device(c10::DeviceType::PrivateUse1,
+                                          static_cast<c10::DeviceIndex>(std::stoi(t.substr(4)))));
       continue;
     }
     c10::Device d = parseDeviceName(parts[i], c10::str(source, " entry ", i, " of '", text, "'"));

@@ -9,8 +9,8 @@
 
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
-#include "hddp_protocol/launch.h"
 #include "hddp/core/logging.h"
+#include "hddp_protocol/launch.h"
 
 extern char** environ;  // NOLINT
 

@@ -94,8 +94,8 @@ void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
   if (predictedAllreduceSeconds_ > 0) {
     HDDP_LOG_SHARED("balance", comm_.rank(), "gradient allreduce: ", bytes / 1e6,
                     " MB over the slowest link (rank ", p.slowestRank, ", ",
-                    p.slowestLinkBytesPerSecond / 1e9,
-                    " GB/s) takes ", predictedAllreduceSeconds_ * 1e3,
+                    p.slowestLinkBytesPerSecond / 1e9, " GB/s) takes ",
+                    predictedAllreduceSeconds_ * 1e3,
                     " ms per step (ring model); no split changes it, backward hides part of it "
                     "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");
   }

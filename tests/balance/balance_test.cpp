@@ -573,7 +573,7 @@ TEST(Seed, TheProfileTakesTheMeasurementAndTheEmulation) {
   const hddp::RankCost c = hddp::costOf(p);
   EXPECT_DOUBLE_EQ(c.secondsPerSample, 0.006);
   EXPECT_DOUBLE_EQ(c.linkBytesPerSecond, 2.8e9);  // the emulated link wins over the measured
-  measured.pinnedSideStreamCopies = false;  // pageable copies block the step
+  measured.pinnedSideStreamCopies = false;        // pageable copies block the step
   EXPECT_FALSE(hddp::seedProfile(base, measured, {}).transferOverlapped);
   base.device = c10::Device(c10::kCPU);  // a CPU rank copies nothing
   EXPECT_FALSE(hddp::seedProfile(base, hddp::SeedMeasurement{}, {}).transferOverlapped);

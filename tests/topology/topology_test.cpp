@@ -249,15 +249,15 @@ TEST(HddpProbe, ListsAndPlansForEmulatedDevices_Emu) {
 // names it and answers for an emulated device it has, not for one it lacks.
 TEST(HddpProbe, CheckDeviceAnswersForAnEmulatedDevice_Emu) {
   const std::string probe = hddp::testing::toolsDir() + "/../hddp-probe/hddp-probe";
-  const auto present = hddp::testing::runCommand("HDDP_EMU_DEVICES=2 " + probe +
-                                                 " --check-device emu:1 2>&1");
+  const auto present =
+      hddp::testing::runCommand("HDDP_EMU_DEVICES=2 " + probe + " --check-device emu:1 2>&1");
   if (torch::cuda::is_available()) {
     GTEST_SKIP() << "with CUDA visible hddp-probe does not install emu";
   }
   EXPECT_EQ(present.exitCode, 0) << present.output;
   EXPECT_NE(present.output.find("emu:1 answers"), std::string::npos) << present.output;
-  const auto absent = hddp::testing::runCommand("HDDP_EMU_DEVICES=2 " + probe +
-                                                " --check-device emu:5 2>&1");
+  const auto absent =
+      hddp::testing::runCommand("HDDP_EMU_DEVICES=2 " + probe + " --check-device emu:5 2>&1");
   EXPECT_EQ(absent.exitCode, 1) << absent.output;
   EXPECT_NE(absent.output.find("not visible (2 emu device(s))"), std::string::npos)
       << absent.output;

@@ -87,8 +87,8 @@ int checkDeviceAnswers(const std::string& name) {
     const int count = static_cast<int>(
         c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->deviceCount());
     if (device.index() >= count) {
-      std::printf("%s: %s is not visible (%d %s device(s))\n", name.c_str(),
-                  device.str().c_str(), count, c10::get_privateuse1_backend().c_str());
+      std::printf("%s: %s is not visible (%d %s device(s))\n", name.c_str(), device.str().c_str(),
+                  count, c10::get_privateuse1_backend().c_str());
       return 1;
     }
   } else if (device.index() >= cudaCount) {
@@ -232,10 +232,10 @@ int run(int argc, char** argv) {
                                  : "CPU ranks"));
   }
   if (emulated > 0 && c10::get_privateuse1_backend() == "emu") {
-    advice.push_back("hddp::emu is on (HDDP_EMU_DEVICES / HDDP_DEVICE): " +
-                     std::to_string(emulated) +
-                     " emulated device(s) computing on this CPU, at its speed times any "
-                     "HDDP_EMU_SLOWDOWN factor; for tests and demos, not a GPU");
+    advice.push_back(
+        "hddp::emu is on (HDDP_EMU_DEVICES / HDDP_DEVICE): " + std::to_string(emulated) +
+        " emulated device(s) computing on this CPU, at its speed times any "
+        "HDDP_EMU_SLOWDOWN factor; for tests and demos, not a GPU");
   }
   const ProbePlan p = planSplit(devices, devs, o);
   out["plan"] = {{"global_batch", o.globalBatch},

@@ -211,7 +211,6 @@ json describeDevices(const std::vector<hddp::DeviceInfo>& devices, const ProbeOp
   return devs;
 }
 
-
 ProbePlan planSplit(const std::vector<hddp::DeviceInfo>& devices, const json& devs,
                     const ProbeOptions& o) {
   const int64_t globalBatch = o.globalBatch;
@@ -329,8 +328,8 @@ void printReport(const json& out, const std::vector<hddp::DeviceInfo>& devices, 
     std::printf("  %-7s %s, %s", d.device.str().c_str(), d.name.c_str(),
                 gib(d.memoryBytes).c_str());
     if (d.device.is_cuda()) {
-      std::printf("%s, %d SMs, sm_%d%d, %s", freeText(d.device).c_str(), d.smCount,
-                  d.computeMajor, d.computeMinor, d.pciBusId.c_str());
+      std::printf("%s, %d SMs, sm_%d%d, %s", freeText(d.device).c_str(), d.smCount, d.computeMajor,
+                  d.computeMinor, d.pciBusId.c_str());
       if (d.link) {
         std::printf(", PCIe Gen%d x%d (max Gen%d x%d, %.1f GB/s)", d.link->currentGen,
                     d.link->currentWidth, d.link->maxGen, d.link->maxWidth, d.link->currentGBps());

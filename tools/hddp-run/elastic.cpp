@@ -185,7 +185,8 @@ int launchElastic(const LaunchConfig& config) {
         " rank(s) on slots " + slotList + ", store " + config.masterAddr + ":" +
         std::to_string(port));
     std::error_code ec;
-    std::filesystem::remove(dir + "/" + protocol::kReformFile, ec);  // the last generation's request is met
+    std::filesystem::remove(dir + "/" + protocol::kReformFile,
+                            ec);  // the last generation's request is met
     jobrecord::append(dir, "generation", generation, {{"slots", active}, {"port", port}});
     Group group(config, port, generation, active, dir);
     if (!group.start()) {

@@ -119,7 +119,8 @@ bool Group::start() {
         slotList += (slotList.empty() ? "" : ",") + std::to_string(active);
       }
       env.push_back(std::string(protocol::kEnvSlots) + "=" + slotList);
-      env.push_back(std::string(protocol::kEnvSlotCount) + "=" + std::to_string(config_.nprocPerNode));
+      env.push_back(std::string(protocol::kEnvSlotCount) + "=" +
+                    std::to_string(config_.nprocPerNode));
     }
     if (!config_.devices.empty()) {
       std::string list;
@@ -209,8 +210,8 @@ void Group::requestReform() {
     reformRequested_ = true;
     // A file for the ranks still starting (not yet listening for the signal), the
     // signal for the others; the ranks look for both at each commit.
-    const int fd =
-        ::open((elasticDir_ + "/" + protocol::kReformFile).c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    const int fd = ::open((elasticDir_ + "/" + protocol::kReformFile).c_str(),
+                          O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
     if (fd >= 0) {
       ::close(fd);
     }

@@ -204,6 +204,16 @@ InitOptions initOptions(const CommonFlags& flags) {
   return o;
 }
 
+DistributedContext initRank(const CommonFlags& flags) {
+  auto ctx = initFromEnv(initOptions(flags));
+#ifdef HDDP_EXAMPLES_WITH_EMU
+  if (ctx.device.is_privateuseone() && ctx.device.has_index() && hddp::emu::isInstalled()) {
+    hddp::emu::setOwnDevice(ctx.device.index());
+  }
+#endif
+  return ctx;
+}
+
 int applyThreads(const CommonFlags& flags, const DistributedContext& ctx) {
   int threads = flags.threads;
   if (threads <= 0) {

@@ -76,6 +76,11 @@ void addCommonFlags(CLI::App& app, CommonFlags& flags);
 /// initFromEnv's options from the flags: --device (a ConfigError names a bad one).
 InitOptions initOptions(const CommonFlags& flags);
 
+/// initFromEnv(initOptions(flags)); a rank on emu also tells emu that its device is the
+/// only one it computes on, so an allocation on another emu device is reported with
+/// where it came from (hddp::emu::setOwnDevice).
+DistributedContext initRank(const CommonFlags& flags);
+
 /// Threads per rank: --threads, else the machine's cores divided by the ranks on this
 /// host (at least 1). Sets LibTorch's intra-op threads and returns the number.
 int applyThreads(const CommonFlags& flags, const DistributedContext& ctx);

@@ -191,7 +191,7 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
 
-  auto ctx = hddp::initFromEnv(ex::initOptions(flags));
+  auto ctx = ex::initRank(flags);
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);  // identical initial weights on every rank (DDP checks)
   Data d =

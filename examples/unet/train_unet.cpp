@@ -89,7 +89,7 @@ int run(int argc, char** argv) {
                 imageSize, " is not a multiple of 2^depth = ", int64_t{1} << depth,
                 "; pick a size divisible by it or a smaller --depth");
 
-  auto ctx = hddp::initFromEnv(ex::initOptions(flags));
+  auto ctx = ex::initRank(flags);
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);
   std::shared_ptr<const hddp::Dataset> train;

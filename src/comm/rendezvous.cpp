@@ -1,6 +1,7 @@
 #include "hddp/comm/rendezvous.h"
 
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -176,6 +177,11 @@ DistributedContext initFromEnv(const InitOptions& options) {
                   "Gloo listens on the address of this host's name (or "
                   "HDDP_GLOO_INTERFACE); keep multi-node jobs on a private network "
                   "(docs/launching.md)");
+  }
+  if (!device.is_cpu()) {
+    // As torch.cuda.set_device(local_rank): rank 1 on cuda:1 would otherwise put what
+    // takes the current device (and a CUDA context) on cuda:0, another rank's card.
+    c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
   }
   auto communicator = makeCommunicator(store, info.rank, info.worldSize, commOptions);
   return DistributedContext{info, device, store, std::move(communicator)};

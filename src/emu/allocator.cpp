@@ -1,8 +1,10 @@
 #include "emu/allocator.h"
 
+#include <c10/util/Backtrace.h>
 #include <c10/util/Exception.h>
 
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -10,6 +12,7 @@
 #include <sstream>
 
 #include "emu/guard.h"
+#include "hddp/emu/emu.h"
 #include "emu/ordering.h"
 #include "emu/runtime.h"
 
@@ -39,6 +42,33 @@ std::string formatBytes(int64_t bytes) {
   return out.str();
 }
 
+std::atomic<int>& ownDeviceIndex() {
+  static std::atomic<int> own{-1};
+  return own;
+}
+
+// An allocation on `device` by a process that computes on another emu device only: stored
+// as a violation, with the backtrace of the first such allocation per device.
+void checkOwnDevice(c10::DeviceIndex device, size_t bytes) {
+  const int own = ownDeviceIndex().load();
+  if (own < 0 || device == own) {
+    return;
+  }
+  static std::array<std::atomic<bool>, kMaxDevices> reported{};
+  if (reported.at(static_cast<size_t>(device)).exchange(true)) {
+    return;
+  }
+  std::ostringstream out;
+  out << "hddp::emu: this process computes on emu:" << own
+      << " (hddp::emu::setOwnDevice) but allocated " << bytes << " bytes on emu:"
+      << static_cast<int>(device)
+      << ", the allocating thread's current device: make the rank's device current "
+         "(c10::DeviceGuard, or once per thread as torch.cuda.set_device does) or give the "
+         "tensor a device with an index. Allocated at:\n"
+      << c10::get_backtrace(/*frames_to_skip=*/1, /*maximum_number_of_frames=*/32);
+  addViolation(out.str());
+}
+
 void addStat(cda::Stat& stat, int64_t amount) {
   stat.current += amount;
   stat.peak = std::max(stat.peak, stat.current);
@@ -61,6 +91,7 @@ class DeviceMemory final : public c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override {
     const c10::DeviceIndex device = currentDeviceIndex();
     checkDeviceIndex(device);
+    checkOwnDevice(device, n);
     const c10::Device where(c10::DeviceType::PrivateUse1, device);
     if (n == 0) {
       return {nullptr, nullptr, &deleteBlock, where};
@@ -317,5 +348,14 @@ bool isPinned(const void* data) { return data != nullptr && pinnedMemory().conta
 c10::Device deviceOfPointer(const void* data) { return deviceMemory().deviceOf(data); }
 
 }  // namespace detail
+
+void setOwnDevice(int device) {
+  if (device != -1) {
+    detail::checkDeviceIndex(static_cast<c10::DeviceIndex>(device));
+  }
+  detail::ownDeviceIndex().store(device);
+}
+
+int ownDevice() { return detail::ownDeviceIndex().load(); }
 }  // namespace emu
 }  // namespace hddp

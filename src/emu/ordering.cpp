@@ -250,6 +250,13 @@ void recordStream(const void* base, c10::Stream stream) {
   }
 }
 
+void addViolation(const std::string& text) {
+  std::fprintf(stderr, "%s\n", text.c_str());
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.violations.push_back(text);
+}
+
 std::vector<std::string> storedViolations() {
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);

@@ -62,6 +62,8 @@ void onAllocate(const void* base, size_t bytes, c10::Stream allocationStream);
 void onFree(const void* base) noexcept;
 void recordStream(const void* base, c10::Stream stream);
 
+/// Stores `text` as a violation (printed to stderr now; thrown by the next issue()).
+void addViolation(const std::string& text);
 std::vector<std::string> storedViolations();
 void clearStoredViolations();
 

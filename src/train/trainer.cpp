@@ -151,6 +151,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       timeline_(!options_.timelinePath.empty()) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
+  const train::RankDeviceScope onDevice(device_);  // the seed's timed forward, the DDP
   elastic_ = train::elasticFromEnv();
   if (elastic_.enabled && options_.saveDir.empty()) {
     options_.saveDir = elastic_.dir;  // commits go where the launcher says (hddp-run)
@@ -446,9 +447,18 @@ Trainer::Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> 
 Trainer::~Trainer() = default;
 void Trainer::setSchedule(ScheduleFn schedule) { impl_->schedule_ = std::move(schedule); }
 void Trainer::setEvaluation(EvalFn evaluation) { impl_->evaluation_ = std::move(evaluation); }
-TrainSummary Trainer::fit() { return impl_->fit(); }
-std::string Trainer::save() { return impl_->save(); }
-void Trainer::load(const std::string& fileOrDirectory) { impl_->load(fileOrDirectory); }
+TrainSummary Trainer::fit() {
+  const train::RankDeviceScope onDevice(impl_->device_);
+  return impl_->fit();
+}
+std::string Trainer::save() {
+  const train::RankDeviceScope onDevice(impl_->device_);
+  return impl_->save();
+}
+void Trainer::load(const std::string& fileOrDirectory) {
+  const train::RankDeviceScope onDevice(impl_->device_);
+  impl_->load(fileOrDirectory);
+}
 int64_t Trainer::step() const { return impl_->step_; }
 int64_t Trainer::epoch() const { return impl_->epoch_; }
 DistributedDataParallel& Trainer::ddp() { return *impl_->ddp_; }

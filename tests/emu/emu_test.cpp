@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <thread>
 
 #include "emu_fixture.h"
 
@@ -146,6 +147,29 @@ TEST_F(EmuOps, ResultsLieOnTheRequestedDeviceNotTheCurrentOne) {
   const auto sum = (ids + torch::ones({3}, options)).sum();
   EXPECT_EQ(sum.device(), emuDevice(1));
   EXPECT_EQ(sum.item<int64_t>(), 6);
+}
+
+// A process that computes on emu:1 only (a rank, hddp::emu::setOwnDevice): an allocation
+// that takes a thread's current device, emu:0, is a violation naming both devices and
+// where it was made; allocations on emu:1 are not.
+TEST_F(EmuAllocator, AnAllocationOffTheOwnDeviceIsAViolationNamingWhereItWasMade) {
+  EXPECT_EQ(ownDevice(), -1);
+  EXPECT_TRUE(throwsWith([] { setOwnDevice(2); }, "emu:2 does not exist"));
+  setOwnDevice(1);
+  std::thread([] {
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->setDevice(emuDevice(0));
+    EXPECT_EQ(torch::ones({2}, emuDevice(1)).sum().item<float>(), 2.0f);  // on emu:1: fine
+    EXPECT_TRUE(violations().empty());
+    const auto stray = torch::empty({3}, torch::TensorOptions().device(c10::DeviceType::PrivateUse1));
+    EXPECT_EQ(stray.device(), emuDevice(0));
+  }).join();
+  setOwnDevice(-1);
+  const auto found = violations();
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_NE(found[0].find("computes on emu:1"), std::string::npos) << found[0];
+  EXPECT_NE(found[0].find("12 bytes on emu:0"), std::string::npos) << found[0];
+  EXPECT_NE(found[0].find("Allocated at:"), std::string::npos) << found[0];
+  clearViolations();
 }
 
 TEST_F(EmuOps, FreshDeviceMemoryHoldsThePoisonPattern) {

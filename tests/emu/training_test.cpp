@@ -1,5 +1,9 @@
 // hddp::emu: autograd and an optimiser on emu give the CPU's result.
 
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include <thread>
+
 #include "emu_fixture.h"
 
 namespace hddp {
@@ -110,6 +114,64 @@ TEST_F(EmuTraining, AdamAndAdamWStepsEqualTheCpu) {
                             return std::make_unique<torch::optim::AdamW>(
                                 std::move(p), torch::optim::AdamWOptions(0.01));
                           });
+}
+
+// Everything a rank on emu:1 does, done on a thread whose current device is emu:0 (a rank
+// that never set its current device, as a Gloo rank on cuda:1 need not): a U-Net-like
+// training step, and the segmentation metrics of the example trainer's evaluation.
+// Nothing may take memory from emu:0.
+TEST_F(EmuTraining, ARankOnEmu1NeverAllocatesOnTheCurrentDevice) {
+  auto* allocator = c10::getDeviceAllocator(c10::DeviceType::PrivateUse1);
+  auto allocationsOn0 = [&] { return allocator->getDeviceStats(0).num_device_alloc; };
+  torch::manual_seed(13);
+  auto net = torch::nn::Sequential(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)), torch::nn::BatchNorm2d(4),
+      torch::nn::ReLU(), torch::nn::MaxPool2d(2),
+      torch::nn::Upsample(
+          torch::nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest)),
+      torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(4, 3, 1)));
+  const c10::Device device = emuDevice(1);
+  const auto before = allocationsOn0();
+  std::thread rank([&] {
+    c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->setDevice(emuDevice(0));
+    net->to(device);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    for (int64_t batch : {4, 1, 2}) {
+      const auto x = torch::randn({batch, 1, 8, 8}).to(device);
+      const auto y = torch::randint(0, 3, {batch, 8, 8}, torch::kLong).to(device);
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+      loss.backward();
+      opt.step();
+      EXPECT_EQ(loss.device(), device);
+      // The example U-Net trainer's evaluation sums (examples/unet/train_unet.cpp).
+      torch::NoGradGuard noGrad;
+      net->eval();
+      const int64_t k = 3;
+      auto logits = net->forward(x).to(at::kFloat);
+      auto pred = logits.argmax(1);
+      auto ids = torch::arange(k, y.options()).view({k, 1});
+      auto p = pred.flatten().unsqueeze(0).eq(ids);
+      auto t = y.flatten().unsqueeze(0).eq(ids);
+      auto perClass = torch::stack({p.logical_and(t).sum(1), p.sum(1), t.sum(1)}, 1);
+      auto sums = torch::cat(
+          {torch::stack({torch::nn::functional::cross_entropy(
+                             logits, y,
+                             torch::nn::functional::CrossEntropyFuncOptions().reduction(
+                                 torch::kSum)),
+                         torch::scalar_tensor(static_cast<double>(y.numel()), logits.options()),
+                         pred.eq(y).sum().to(at::kFloat)}),
+           perClass.flatten().to(at::kFloat)});
+      auto total = torch::zeros({3 + 3 * k}, torch::TensorOptions().dtype(at::kDouble).device(device));
+      total += sums.to(at::kDouble);
+      total.div_(2);
+      EXPECT_EQ(total.device(), device);
+      EXPECT_GT(total.cpu()[1].item<double>(), 0);
+      net->train();
+    }
+  });
+  rank.join();
+  EXPECT_EQ(allocationsOn0(), before) << "a rank on emu:1 took memory from emu:0";
 }
 
 }  // namespace

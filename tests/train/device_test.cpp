@@ -4,6 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -123,6 +127,47 @@ TEST(Trainer, AResumedRankGetsTheOptimizerStateOnItsOwnDevice_Emu) {
         torch::allclose(straight[i].to(at::kDouble), resumed[i].to(at::kDouble), 1e-5, 1e-6))
         << "tensor " << i;
   }
+  hddp::emu::checkNoViolations();
+}
+
+// A rank's thread whose current device is not the rank's (a Gloo rank on cuda:1 or emu:1
+// that never set it): while the Trainer works, the rank's device is current, so what
+// takes the current device (here an index-less factory in the user's evaluation) lands
+// there, and the thread's own device is back afterwards. Before, it landed on emu:0.
+TEST(Trainer, TheRanksDeviceIsCurrentWhileTheTrainerWorks_Emu) {
+  const c10::Device emu1(c10::DeviceType::PrivateUse1, 1);
+  hddp::testing::emulatedDevice(0);  // installs emu
+  auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1);
+  auto* allocator = c10::getDeviceAllocator(c10::DeviceType::PrivateUse1);
+  const auto allocationsOn0 = allocator->getDeviceStats(0).num_device_alloc;
+  hddp::testing::runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    guard->setDevice(c10::Device(c10::DeviceType::PrivateUse1, 0));
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model;
+    model->to(emu1);
+    torch::optim::SGD opt(model->parameters(), 0.05);
+    hddp::TrainerOptions o;
+    o.globalBatch = 8;
+    o.maxSteps = 2;
+    o.progress = hddp::ProgressMode::Off;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(16, 1, 8, 4, /*seed=*/1);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
+    EXPECT_EQ(guard->getDevice().index(), 0) << "the thread's device is back after construction";
+    std::vector<c10::Device> seen;
+    trainer.setEvaluation([&](int64_t) -> std::map<std::string, double> {
+      seen.push_back(guard->getDevice());
+      seen.push_back(at::zeros({3}, at::TensorOptions().device(c10::DeviceType::PrivateUse1)).device());
+      return {};
+    });
+    trainer.fit();
+    ASSERT_EQ(seen.size(), 2u);
+    EXPECT_EQ(seen[0], emu1) << "the current device during fit()";
+    EXPECT_EQ(seen[1], emu1) << "an index-less factory in the evaluation";
+    EXPECT_EQ(guard->getDevice().index(), 0) << "the thread's device is back after fit()";
+  });
+  EXPECT_EQ(allocator->getDeviceStats(0).num_device_alloc, allocationsOn0)
+      << "a rank on emu:1 took memory from emu:0";
   hddp::emu::checkNoViolations();
 }
 

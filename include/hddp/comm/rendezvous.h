@@ -29,7 +29,10 @@ struct DistributedContext {
 };
 
 /// Detects the launch, connects to the store and creates the communicator. Sets the
-/// log rank. Blocks until every rank has joined (or throws hddp::TimeoutError).
+/// log rank, and makes the rank's device (a GPU or emu) the calling thread's current
+/// device, as torch.cuda.set_device(local_rank) in a script: another thread of the rank
+/// that allocates on the current device must set it too (the Trainer does, for its
+/// calls). Blocks until every rank has joined (or throws hddp::TimeoutError).
 DistributedContext initFromEnv(const InitOptions& options = {});
 
 /// Publishes `mine` in `store` for round `round` (initFromEnv: the restart count) and

@@ -101,6 +101,17 @@ void setSlowdown(int device, double factor);
 /// Sets the delay before each queued side-stream task runs (>= 0), for tests.
 void setStreamDelay(std::chrono::milliseconds delay);
 
+/// Declares emu:`device` the only emu device this process computes on (a rank's device);
+/// -1 (the default) allows every device. An allocation on another emu device, which
+/// takes the allocating thread's current device, then counts as a violation, stored
+/// with the backtrace of its first occurrence per device: on a GPU the same slip puts a
+/// rank's memory (and a CUDA context) on another rank's card. Make the rank's device
+/// current (c10::DeviceGuard, or once per thread as torch.cuda.set_device does) or give
+/// factories a device with an index.
+void setOwnDevice(int device);
+/// The device set by setOwnDevice() (-1: none).
+int ownDevice();
+
 /// What emu:i has computed since install() or resetCounters().
 struct DeviceCounters {
   /// Operators run (boxed-fallback operators and top-level copies).

@@ -34,7 +34,9 @@ void Trainer::Impl::updateTimeBudget() {
   const double left = options_.timeBudgetSeconds - elapsedMax;
   const int64_t more = perStep > 0 && left > 0 ? static_cast<int64_t>(left / perStep) : 0;
   const bool first = budgetSteps_ == 0;
-  budgetSteps_ = std::max<int64_t>(step_, step_ + more);
+  // At least one more step: the schedule call of the step about to run is the first to
+  // see the new total, so the run must not end before it (its total would be stale).
+  budgetSteps_ = std::max<int64_t>(step_ + 1, step_ + more);
   if (first) {
     HDDP_LOG_SHARED("train", comm_.rank(), "time budget ", options_.timeBudgetSeconds,
                     " s: ", perStep * 1e3, " ms per step after ", done, " steps, so ",

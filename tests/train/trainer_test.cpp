@@ -772,6 +772,40 @@ TEST(Trainer, ATimeBudgetEndsTheRunOnTimeOnEveryRankAndTheScheduleKnows) {
   }
 }
 
+// A budget already spent when it is first measured (after 10 steps): the run still ends
+// on a step whose schedule call was told it is the last one. Before, the run ended at
+// once after step 10, whose schedule call had been told the epochs' 100 steps (in CI
+// the same slip showed as 51 against 50 when a re-measurement found no time left).
+TEST(Trainer, ABudgetSpentAtItsFirstMeasurementStillTellsTheScheduleTheLastStep) {
+  std::vector<hddp::TrainSummary> summaries(2);
+  std::vector<int64_t> lastTotal(2, 0);
+  std::vector<int64_t> lastStep(2, 0);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net model;
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 32;
+    o.epochs = 5;  // 100 steps
+    o.balance = false;
+    o.progress = hddp::ProgressMode::Off;
+    o.timeBudgetSeconds = 1e-6;  // spent before the first measurement
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
+                          ds, o);
+    trainer.setSchedule([&](const hddp::StepInfo& info, torch::optim::Optimizer&) {
+      lastTotal[rank] = info.totalSteps;
+      lastStep[rank] = info.step;
+    });
+    summaries[rank] = trainer.fit();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_LT(summaries[r].totalSteps, 100) << "the budget ended the run";
+    EXPECT_EQ(lastStep[r] + 1, summaries[r].totalSteps);
+    EXPECT_EQ(lastTotal[r], summaries[r].totalSteps) << "the last step's schedule saw another total";
+  }
+}
+
 // Rank 1 "runs out of memory" above 20 samples (emulated: c10::OutOfMemoryError in
 // forward). Every rank abandons those steps together, rank 1's cap is learned, the
 // same samples are trained again under the new split, and the cap is kept in the state.

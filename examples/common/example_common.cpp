@@ -249,6 +249,7 @@ int applyThreads(const CommonFlags& flags, const DistributedContext& ctx) {
 
 TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ctx) {
   TrainerOptions o;
+  o.launch = ctx.info;  // what initFromEnv read: the Trainer need not read it again
   o.globalBatch = f.globalBatch;
   o.epochs = f.epochs;
   o.maxSteps = f.maxSteps;

@@ -319,6 +319,25 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
     HDDP_CHECK_AS(ConfigError, info.slot >= 0, "HDDP_SLOT=", info.slot,
                   " must be >= 0 (hddp-run sets it in an elastic job)");
   }
+  // Whatever the launcher: torchrun's restart count (hddp-run sets it too), else Slurm's
+  // (a requeued job), the first that is positive.
+  if (info.restartCount == 0) {
+    for (const char* name : {protocol::kEnvRestartCount, "SLURM_RESTART_COUNT"}) {
+      if (find(env, name)) {
+        const int n = intVar(env, name);
+        if (n > 0) {
+          info.restartCount = n;
+          break;
+        }
+      }
+    }
+  }
+  if (const std::string* on = find(env, protocol::kEnvElastic)) {
+    info.elastic = *on == "1";
+  }
+  if (const std::string* dir = find(env, protocol::kEnvElasticDir)) {
+    info.elasticDir = *dir;
+  }
   return info;
 }
 

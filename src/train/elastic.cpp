@@ -13,8 +13,11 @@
 #include <filesystem>
 #include <functional>
 
+#include <ATen/ATen.h>
+
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 namespace hddp {
 namespace train {
@@ -25,23 +28,6 @@ std::atomic<bool> gReform{false};
 void onReformRequest(int) { gReform.store(true); }
 
 }  // namespace
-
-ElasticEnv elasticFromEnv() {
-  ElasticEnv e;
-  const char* on = std::getenv(protocol::kEnvElastic);
-  e.enabled = on && std::string(on) == "1";
-  if (const char* slot = std::getenv(protocol::kEnvSlot)) {
-    char* end = nullptr;
-    const long v = std::strtol(slot, &end, 10);
-    HDDP_CHECK_AS(ConfigError, end != slot && *end == '\0' && v >= 0, "HDDP_SLOT='", slot,
-                  "' is not a slot number (hddp-run sets it in an elastic job)");
-    e.slot = static_cast<int>(v);
-  }
-  if (const char* dir = std::getenv(protocol::kEnvElasticDir)) {
-    e.dir = dir;
-  }
-  return e;
-}
 
 void watchReformRequests() {
   static std::atomic<bool> installed{false};
@@ -137,6 +123,90 @@ int64_t ProgressMark::newest(const std::string& dir) {
     }
   }
   return newest;
+}
+
+ElasticRun::ElasticRun(const LaunchInfo& launch) : launch_(launch) {}
+
+int64_t ElasticRun::begin(int rank, const std::string& saveDir) {
+  sampleLog_.open(rank, restarts());
+  if (!enabled()) {
+    return -1;
+  }
+  watchReformRequests();
+  HDDP_CHECK_AS(ConfigError, !saveDir.empty(),
+                "an elastic job needs a folder for its commits: give saveDir (--save-dir) or "
+                "run under hddp-run, which sets HDDP_ELASTIC_DIR");
+  return restarts() > 0 ? ProgressMark::newest(saveDir) : -1;
+}
+
+void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
+                         const std::string& saveDir) {
+  lastCommitTime_ = Clock::now();
+  lastCommitStep_ = step;
+  nextCommit_ = step + commitEvery_;
+  if (!enabled()) {
+    return;
+  }
+  const bool restarted = restarts() > 0;
+  if (rank == 0) {
+    jobRecord_.open(dir(), restarts());
+    const int64_t repeated = restarted ? std::max<int64_t>(0, reached - step) : 0;
+    jobRecord_.add(restarted ? "resumed" : "started", {{"step", step},
+                                                       {"repeated", repeated},
+                                                       {"ranks", worldSize},
+                                                       {"commits", saveDir}});
+  }
+  if (restarted && reached > step) {
+    HDDP_LOG_SHARED("train", rank, "elastic: steps ", step + 1, "..", reached,
+                    " were trained before the group re-formed and are trained again (",
+                    reached - step, " steps)");
+  } else if (restarted) {
+    HDDP_LOG_SHARED("train", rank, "elastic: resumed at step ", step,
+                    "; no step is trained again");
+  }
+  progressMark_.open(saveDir, slot());
+}
+
+void ElasticRun::stepDone(int64_t step, bool first, int rank, const std::vector<int64_t>& indices) {
+  sampleLog_.write(step, rank, indices);
+  progressMark_.write(step);
+  if (first) {
+    jobRecord_.add("first_step", {{"step", step}});
+  }
+}
+
+void ElasticRun::committed(Communicator& comm, int64_t step, const std::string& file,
+                           Clock::time_point saveStart) {
+  if (!enabled()) {
+    return;
+  }
+  jobRecord_.add("commit", {{"step", step}, {"file", file}});
+  // Agree on a re-form request (the launcher signals the ranks one by one) and on the
+  // next commit: the slowest commit against the slowest rank's wall time per step.
+  const double commitSeconds = std::chrono::duration<double>(Clock::now() - saveStart).count();
+  const double stepSeconds = std::chrono::duration<double>(saveStart - lastCommitTime_).count() /
+                             static_cast<double>(std::max<int64_t>(1, step - lastCommitStep_));
+  const bool reform = reformRequested() || reformFileExists(dir());
+  at::Tensor t =
+      at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(comm.device());
+  comm.allreduce(t, {ReduceOp::Max}).wait();
+  comm.synchronize();  // the host reads it next (Communicator::synchronize)
+  t = t.cpu();
+  const int64_t every = commitInterval(t[1].item<double>(), t[2].item<double>());
+  if (every != commitEvery_) {
+    HDDP_LOG_DEBUG("train", "commits every ", every, " steps (a commit takes ",
+                   t[1].item<double>() * 1e3, " ms, a step ", t[2].item<double>() * 1e3, " ms)");
+  }
+  commitEvery_ = every;
+  nextCommit_ = step + commitEvery_;
+  lastCommitTime_ = Clock::now();
+  lastCommitStep_ = step;
+  if (t[0].item<double>() > 0) {
+    HDDP_LOG_SHARED("train", comm.rank(), "elastic: committed step ", step, " to ", file,
+                    "; leaving for the group to re-form (exit code ", kReformExitCode, ")");
+    std::fflush(nullptr);          // log lines and metrics are written through at once
+    std::_Exit(kReformExitCode);  // loader threads may be mid-batch: no unwinding
+  }
 }
 
 }  // namespace train

@@ -9,12 +9,14 @@
 // leaves with kReformExitCode, and the next generation has the slot again.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "hddp/comm/launch.h"
 #include "hddp_protocol/job_record.h"
 #include "hddp_protocol/launch.h"
 
@@ -24,15 +26,6 @@ namespace train {
 /// Exit code of a rank that committed and left for the group to re-form (the launch
 /// protocol's, hddp_protocol/launch.h).
 constexpr int kReformExitCode = protocol::kReformExitCode;
-
-struct ElasticEnv {
-  bool enabled = false;  // HDDP_ELASTIC=1
-  int slot = -1;         // HDDP_SLOT: the launcher's slot, stable across generations
-  std::string dir;       // HDDP_ELASTIC_DIR: where commits go without a saveDir
-};
-
-/// What the launcher told this process (HDDP_ELASTIC, HDDP_SLOT, HDDP_ELASTIC_DIR).
-ElasticEnv elasticFromEnv();
 
 /// Installs the SIGUSR1 handler (once per process) that records a re-form request.
 void watchReformRequests();
@@ -87,6 +80,53 @@ class ProgressMark {
 /// ("resumed", "first_step", "commit") through the protocol's writer
 /// (hddp_protocol/job_record.h), which hddp-run and hddp-probe read.
 using JobRecord = jobrecord::Writer;
+
+/// One fit()'s bookkeeping of the launcher's protocol: the sample log (debugging), and in
+/// an elastic job the progress mark, rank 0's job record and the commit schedule. Built
+/// from what the launcher said (LaunchInfo); without elastic membership only the sample
+/// log does anything. Used by the Trainer's thread only.
+class ElasticRun {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit ElasticRun(const LaunchInfo& launch);
+  ElasticRun(const ElasticRun&) = delete;
+  ElasticRun& operator=(const ElasticRun&) = delete;
+
+  bool enabled() const { return launch_.elastic; }
+  /// The launcher's commit folder (HDDP_ELASTIC_DIR; empty: none).
+  const std::string& dir() const { return launch_.elasticDir; }
+  /// The launcher's slot (-1: none): who a rank is across generations.
+  int slot() const { return launch_.slot; }
+  int restarts() const { return launch_.restartCount; }
+
+  /// fit()'s start, before the resume: opens the sample log; in an elastic job listens
+  /// for re-form requests and says which step the previous generation reached (-1: none
+  /// or not a restart), read before this generation marks any.
+  int64_t begin(int rank, const std::string& saveDir);
+  /// After the resume, at `step`: rank 0 records the start (or resumption), the ranks say
+  /// which steps are trained again, and the progress mark and commit schedule start.
+  void started(int rank, int worldSize, int64_t step, int64_t reached, const std::string& saveDir);
+  /// After each step trained (`first`: the first of this fit()).
+  void stepDone(int64_t step, bool first, int rank, const std::vector<int64_t>& indices);
+  /// Whether a commit is due after `step` (elastic jobs; saveEvery rules otherwise).
+  bool commitDue(int64_t step) const { return enabled() && step >= nextCommit_; }
+  /// The elastic part of a commit whose state `file` is written (the save began at
+  /// `saveStart`): the record, then the ranks agree on a re-form request and on the next
+  /// commit step. Leaves the process with kReformExitCode when a re-form was requested.
+  void committed(Communicator& comm, int64_t step, const std::string& file,
+                 Clock::time_point saveStart);
+
+ private:
+  LaunchInfo launch_;
+  SampleLog sampleLog_;
+  ProgressMark progressMark_;
+  JobRecord jobRecord_;       // rank 0
+  int64_t commitEvery_ = 10;  // steps between commits (re-derived at each commit)
+  int64_t nextCommit_ = 0;
+  Clock::time_point lastCommitTime_;
+  int64_t lastCommitStep_ = 0;
+};
 
 }  // namespace train
 }  // namespace hddp

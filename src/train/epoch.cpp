@@ -39,8 +39,8 @@ int64_t Trainer::Impl::plannedSteps() const {
   if (options_.maxSteps > 0) {
     total = std::min(total, options_.maxSteps);
   }
-  if (budgetSteps_ > 0) {
-    total = std::min(total, budgetSteps_);
+  if (budget_.endStep > 0) {
+    total = std::min(total, budget_.endStep);
   }
   return total;
 }
@@ -51,11 +51,11 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
   }
   const auto e0 = Clock::now();
   auto evaluation = evaluation_(epoch_);
-  evaluationSeconds_ += seconds(e0, Clock::now());
+  budget_.evaluationSeconds += seconds(e0, Clock::now());
   timeline_.add("evaluation", e0, Clock::now(), step_);
   model_->train();
   if (!evaluation.empty()) {
-    lastEvaluation_ = evaluation;
+    run_.lastEvaluation = evaluation;
   }
   return evaluation;
 }
@@ -63,26 +63,26 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
 void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
                              TrainSummary& summary) {
   // The epoch's mean training loss over every rank's samples.
-  at::Tensor sums = at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble)
+  at::Tensor sums = at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
                         .to(comm_.device());
   comm_.allreduce(sums).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   sums = sums.cpu();
   train::EpochReport r;
   r.samples = sums[1].item<double>();
-  lastEpochLoss_ = r.samples > 0 ? sums[0].item<double>() / r.samples : 0.0;
+  run_.lastTrainLoss = r.samples > 0 ? sums[0].item<double>() / r.samples : 0.0;
   r.seconds = seconds(epochStart, Clock::now());
   r.evaluation = evaluate();
   ++summary.epochsCompleted;
   r.epoch = epoch_;
   r.epochs = options_.epochs;
   r.steps = epochSteps;
-  r.trainLoss = lastEpochLoss_;
+  r.trainLoss = run_.lastTrainLoss;
   const BatchPlan plan = currentPlan();
   r.plan = plan.local;
   r.planText = plan.describe();
-  r.peakMemoryBytes = epochPeakMemory_;
-  epochPeakMemory_ = 0;
+  r.peakMemoryBytes = thisEpoch_.peakMemory;
+  thisEpoch_.peakMemory = 0;
   reporter_.epoch(r);
 }
 

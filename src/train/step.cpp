@@ -72,16 +72,16 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
       }
       at::Tensor output = forward_(batch.input);
       emulator_->checkMemory(local);
-      stepLoss_ = loss_(output, batch.target);
+      lastStep_.loss = loss_(output, batch.target);
     }
     clock.forwardEnd = Clock::now();
     timeline_.add("forward", clock.start, clock.forwardEnd, step_, Track::Training, local);
-    scaler_->scale(stepLoss_).backward();
+    scaler_->scale(lastStep_.loss).backward();
   } catch (const c10::OutOfMemoryError& e) {
     if (!options_.recoverFromOutOfMemory || hasSyncBatchNorm_) {
       throw;  // (SyncBatchNorm's collectives in forward cannot be matched)
     }
-    stepLoss_ = at::Tensor();
+    lastStep_.loss = at::Tensor();
     if (device_.type() != c10::kCPU) {
       c10::getDeviceAllocator(device_.type())->emptyCache();
     }
@@ -101,7 +101,7 @@ void Trainer::Impl::repeatStep(const Batch& batch, const std::string& mine, Cloc
   const auto recovery =
       train::recoverFromOutOfMemory(comm_, planner_.get(), mine, batch.share.localBatch,
                                     options_.planner.minLocalBatch, step_ + 1);
-  ++repeatedSteps_;
+  ++run_.repeatedSteps;
   // Rank 0 and the failing ranks warn; the others note it.
   if (comm_.rank() == 0 || !mine.empty()) {
     HDDP_LOG_WARN("train", recovery.message);
@@ -136,11 +136,11 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
 
 // This step's memory: for the metrics, the peaks, and the planner's memory caps.
 void Trainer::Impl::measureMemory(int64_t local) {
-  lastMemory_ = memory_.endStep(local);
-  epochPeakMemory_ = std::max(epochPeakMemory_, lastMemory_.peak());
-  runPeakMemory_ = std::max(runPeakMemory_, lastMemory_.peak());
+  lastStep_.memory = memory_.endStep(local);
+  thisEpoch_.peakMemory = std::max(thisEpoch_.peakMemory, lastStep_.memory.peak());
+  run_.peakMemory = std::max(run_.peakMemory, lastStep_.memory.peak());
   if (planner_ && local > 0) {
-    planner_->recordMemory(lastMemory_.observation(local));
+    planner_->recordMemory(lastStep_.memory.observation(local));
   }
 }
 
@@ -188,16 +188,16 @@ double Trainer::Impl::measureAndReplan() {
       planner_->record(m);
     }
   }
-  lastTransferSeconds_ = transfer;
-  lastEmulatedSeconds_ = emulated;
-  newPlan_ = false;
+  lastStep_.transferSeconds = transfer;
+  lastStep_.emulatedSeconds = emulated;
+  lastStep_.newPlan = false;
   if (planner_) {
     const auto p0 = Clock::now();
-    newPlan_ = planner_->endStep();
+    lastStep_.newPlan = planner_->endStep();
     if (planner_->lastExchangeSeconds() > 0) {
       timeline_.add("plan exchange", p0, Clock::now(), step_, Track::Communication);
     }
-    if (newPlan_) {
+    if (lastStep_.newPlan) {
       loader_->setPlan(planner_->plan());
     }
   }
@@ -208,12 +208,12 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
                            double compute, bool stepped) {
   const int64_t local = batch.share.localBatch;
   train::StepReport r;
-  r.loss = local > 0 ? stepLoss_.detach().to(at::kDouble).item<double>() : 0.0;
+  r.loss = local > 0 ? lastStep_.loss.detach().to(at::kDouble).item<double>() : 0.0;
   // After the loss read (on a device: the step's end on the host) and the emulator's
   // sleep.
   r.stepSeconds = seconds(clock.start, Clock::now()) + batch.waitSeconds;
-  epochLossSum_ += r.loss * static_cast<double>(local);
-  epochSamples_ += local;
+  thisEpoch_.lossSum += r.loss * static_cast<double>(local);
+  thisEpoch_.samples += local;
   ++step_;
   r.epoch = epoch_;
   r.epochs = options_.epochs;
@@ -226,16 +226,16 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.computeSeconds = compute;
   r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
   r.predictedAllreduceSeconds = predictedAllreduceSeconds_;
-  r.transferSeconds = lastTransferSeconds_;
-  r.emulatedSeconds = lastEmulatedSeconds_;
+  r.transferSeconds = lastStep_.transferSeconds;
+  r.emulatedSeconds = lastStep_.emulatedSeconds;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
   r.stepped = stepped;
   r.plan = batch.share.plan.local;
-  if (newPlan_) {
+  if (lastStep_.newPlan) {
     r.newPlan = planner_->plan().local;
   }
   r.planExchangeSeconds = planner_ ? planner_->lastExchangeSeconds() : 0.0;
-  r.memory = lastMemory_;
+  r.memory = lastStep_.memory;
   if (planner_) {
     const int64_t cap = planner_->memoryCaps()[static_cast<size_t>(comm_.rank())];
     r.memoryCap = cap == std::numeric_limits<int64_t>::max() ? -1 : cap;

@@ -20,7 +20,6 @@
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
 #include "hddp/train/state_file.h"
-#include "hddp_protocol/launch.h"
 #include "train/model_device.h"
 #include "train/trainer_impl.h"
 
@@ -94,23 +93,6 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
                 "); on a CPU use bf16");
 }
 
-// How often the launcher restarted this program: TORCHELASTIC_RESTART_COUNT (hddp-run,
-// torchrun) or SLURM_RESTART_COUNT (a requeued Slurm job); 0 when neither is set.
-int launcherRestartCount() {
-  for (const char* name : {protocol::kEnvRestartCount, "SLURM_RESTART_COUNT"}) {
-    if (const char* text = std::getenv(name)) {
-      char* end = nullptr;
-      const long n = std::strtol(text, &end, 10);
-      HDDP_CHECK_AS(ConfigError, end != text && *end == '\0' && n >= 0, name, "='", text,
-                    "' is not a restart count (a whole number >= 0)");
-      if (n > 0) {
-        return static_cast<int>(n);
-      }
-    }
-  }
-  return 0;
-}
-
 // An optimizer that lists one tensor twice (built from parameters() of a model with
 // tied weights) would apply its update twice: refuse it, naming the tensor.
 void checkOptimizerListsEachTensorOnce(torch::optim::Optimizer& optimizer,
@@ -148,13 +130,14 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       optimizer_(optimizer),
       options_(std::move(options)),
       device_(train::modelDevice(model_.get(), comm)),
+      elastic_(options_.launch ? *options_.launch
+                               : detectLaunch(InitOptions{}, processEnvironment())),
       timeline_(!options_.timelinePath.empty()) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
   const train::RankDeviceScope onDevice(device_);  // the seed's timed forward, the DDP
-  elastic_ = train::elasticFromEnv();
-  if (elastic_.enabled && options_.saveDir.empty()) {
-    options_.saveDir = elastic_.dir;  // commits go where the launcher says (hddp-run)
+  if (elastic_.enabled() && options_.saveDir.empty()) {
+    options_.saveDir = elastic_.dir();  // commits go where the launcher says (hddp-run)
   }
   checkOptions(options_, train.get(), comm, device_);
   HDDP_LOG_INFO("train", "rank ", comm.rank(), " trains on ", device_.str(),
@@ -243,15 +226,60 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
-  if (elastic_.enabled) {
-    train::watchReformRequests();
-    HDDP_CHECK_AS(ConfigError, !options_.saveDir.empty(),
-                  "an elastic job needs a folder for its commits: give saveDir (--save-dir) or "
-                  "run under hddp-run, which sets HDDP_ELASTIC_DIR");
+  const int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
+  resumeForFit();
+  elastic_.started(comm_.rank(), comm_.size(), step_, reached, options_.saveDir);
+  reporter_ = train::Reporter(options_.metricsPath, comm_.rank(),
+                              /*append=*/run_.resumed || elastic_.restarts() > 0,
+                              options_.progress != ProgressMode::Off,
+                              options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO),
+                              options_.logEvery);
+  reporter_.config(runConfig());
+  barrier();  // a common time zero for the timeline
+  timeline_.setOrigin(Clock::now());
+
+  TrainSummary summary;
+  run_.start = Clock::now();
+  run_.startStep = step_;
+  run_.stoppedEarly = false;
+  int64_t samples = 0;
+  EpochEnd end = EpochEnd::Complete;
+  while (epoch_ < options_.epochs && end == EpochEnd::Complete) {
+    end = runEpoch(summary, samples);
   }
+  if (end == EpochEnd::Stopped) {
+    // maxSteps or the time budget ended the run inside an epoch: evaluate what was
+    // trained.
+    const auto evaluation = evaluate();
+    if (!evaluation.empty()) {
+      reporter_.evaluationAtStop(epoch_, step_, evaluation, currentPlan().describe(),
+                                 budget_.endStep > 0 && step_ >= budget_.endStep &&
+                                         !(options_.maxSteps > 0 && step_ >= options_.maxSteps)
+                                     ? "the time budget"
+                                     : "maxSteps");
+    }
+    if (!options_.saveDir.empty() && run_.lastSaved != step_) {
+      summary.lastStateFile = save();
+    }
+  }
+  summary.steps = step_ - run_.startStep;
+  summary.totalSteps = step_;
+  summary.seconds = seconds(run_.start, Clock::now());
+  summary.samplesPerSecond = summary.seconds > 0 ? samples / summary.seconds : 0.0;
+  summary.lastTrainLoss = run_.lastTrainLoss;
+  summary.repeatedSteps = run_.repeatedSteps;
+  summary.peakMemoryBytes = run_.peakMemory;
+  summary.lastEvaluation = run_.lastEvaluation;
+  if (timeline_.enabled()) {
+    timeline_.write(comm_, options_.timelinePath);
+  }
+  reporter_.summary(summary, run_.lastEvaluation);
+  return summary;
+}
+
+void Trainer::Impl::resumeForFit() {
+  const int restarts = elastic_.restarts();
   std::string resume = options_.resume;
-  const int restarts = launcherRestartCount();
-  sampleLog_.open(comm_.rank(), restarts);
   // On a restart or re-forming the newest commit of the save folder wins: `resume`
   // (--resume) only starts a run whose save folder holds no state yet, so work
   // committed since is never trained again.
@@ -264,21 +292,18 @@ TrainSummary Trainer::Impl::fit() {
                         : " (not from " + resume + ", which only starts a run)");
     resume = options_.saveDir;
   }
-  // The last step the previous generation reached, before this one marks any.
-  const int64_t reached =
-      elastic_.enabled && restarts > 0 ? train::ProgressMark::newest(options_.saveDir) : -1;
-  budgetSteps_ = 0;
-  budgetSecondsBefore_ = 0;
-  budgetStartStep_ = step_;
-  evaluationSeconds_ = 0;
+  budget_.endStep = 0;
+  budget_.secondsBefore = 0;
+  budget_.startStep = step_;
+  budget_.evaluationSeconds = 0;
   // The same job's own commit: its time budget goes on (not a --resume of another run).
-  carryBudget_ = restarts > 0 && options_.timeBudgetSeconds > 0 && resume == options_.saveDir;
-  restarted_ = restarts > 0;
+  budget_.carry = restarts > 0 && options_.timeBudgetSeconds > 0 && resume == options_.saveDir;
+  run_.restarted = restarts > 0;
   if (!resume.empty()) {
     load(resume);
   }
-  carryBudget_ = false;
-  restarted_ = false;
+  budget_.carry = false;
+  run_.restarted = false;
   if (restarts == 0 && !resume.empty() && resume != options_.saveDir && !options_.saveDir.empty() &&
       !listStateFiles(options_.saveDir).empty()) {
     HDDP_LOG_WARN("train", "the save folder ", options_.saveDir,
@@ -286,150 +311,73 @@ TrainSummary Trainer::Impl::fit() {
                   ", but a restart by the launcher resumes from the newest file there: move "
                   "older files away if they belong to another attempt");
   }
-  if (elastic_.enabled) {
-    if (comm_.rank() == 0) {
-      jobRecord_.open(elastic_.dir, restarts);
-      const int64_t repeated = restarts > 0 ? std::max<int64_t>(0, reached - step_) : 0;
-      jobRecord_.add(restarts > 0 ? "resumed" : "started", {{"step", step_},
-                                                            {"repeated", repeated},
-                                                            {"ranks", comm_.size()},
-                                                            {"commits", options_.saveDir}});
-    }
-    if (restarts > 0 && reached > step_) {
-      HDDP_LOG_SHARED("train", comm_.rank(), "elastic: steps ", step_ + 1, "..", reached,
-                      " were trained before the group re-formed and are trained again (",
-                      reached - step_, " steps)");
-    } else if (restarts > 0) {
-      HDDP_LOG_SHARED("train", comm_.rank(), "elastic: resumed at step ", step_,
-                      "; no step is trained again");
-    }
-    progressMark_.open(options_.saveDir, elastic_.slot);
-  }
-  reporter_ = train::Reporter(
-      options_.metricsPath, comm_.rank(), /*append=*/resumed_ || restarts > 0,
-      options_.progress != ProgressMode::Off,
-      options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
-  reporter_.config(runConfig());
-  barrier();  // a common time zero for the timeline
-  timeline_.setOrigin(Clock::now());
+}
 
-  TrainSummary summary;
-  const auto start = Clock::now();
-  const int64_t startStep = step_;
-  fitStart_ = start;
-  fitStartStep_ = step_;
-  stoppedEarly_ = false;
-  int64_t samples = 0;
-  bool stopEarly = false;
-  lastCommitTime_ = Clock::now();
-  lastCommitStep_ = step_;
-  nextCommit_ = step_ + commitEvery_;
-  while (epoch_ < options_.epochs && !stopEarly) {
-    model_->train();
-    if (midEpoch_) {
-      // The epoch's sums and steps so far came with the state (load()).
-      loader_->resume(samplerState_, currentPlan());
-      midEpoch_ = false;
-    } else {
-      loader_->startEpoch(epoch_, currentPlan());
-      epochLossSum_ = 0;
-      epochSamples_ = 0;
-      epochSteps_ = 0;
-    }
-    const auto epochStart = Clock::now();
-    int64_t& epochSteps = epochSteps_;
-    bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
-    bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
-    for (;;) {
-      if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
-          (budgetSteps_ > 0 && step_ >= budgetSteps_)) {
-        if (epochSteps > 0 && loader_->stepsLeftInEpoch() == 0) {
-          // The epoch is complete: end it (evaluation, its state) rather than save an
-          // empty remainder that a resume would report and evaluate again.
-          stopAtEpochEnd = true;
-          break;
-        }
-        stopEarly = true;
-        stoppedEarly_ = true;
+Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& samples) {
+  model_->train();
+  if (thisEpoch_.midEpoch) {
+    // The epoch's sums and steps so far came with the state (load()).
+    loader_->resume(thisEpoch_.sampler, currentPlan());
+    thisEpoch_.midEpoch = false;
+  } else {
+    loader_->startEpoch(epoch_, currentPlan());
+    thisEpoch_.lossSum = 0;
+    thisEpoch_.samples = 0;
+    thisEpoch_.steps = 0;
+  }
+  const auto epochStart = Clock::now();
+  bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
+  bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
+  for (;;) {
+    if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
+        (budget_.endStep > 0 && step_ >= budget_.endStep)) {
+      if (thisEpoch_.steps > 0 && loader_->stepsLeftInEpoch() == 0) {
+        // The epoch is complete: end it (evaluation, its state) rather than save an
+        // empty remainder that a resume would report and evaluate again.
+        stopAtEpochEnd = true;
         break;
       }
-      const auto waitStart = Clock::now();
-      auto batch = loader_->next();
-      if (!batch) {
-        break;
-      }
-      timeline_.add("data wait", waitStart, Clock::now(), step_);
-      if (!runStep(*batch)) {
-        continue;  // a rank ran out of memory: the step is repeated under a new split
-      }
-      samples += batch->share.globalBatch;
-      ++epochSteps;
-      sampleLog_.write(step_, comm_.rank(), batch->share.indices);
-      progressMark_.write(step_);
-      if (step_ == startStep + 1) {
-        jobRecord_.add("first_step", {{"step", step_}});
-      }
-      if (options_.timeBudgetSeconds > 0) {
-        updateTimeBudget();
-      }
-      if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0
-                                 : elastic_.enabled && step_ >= nextCommit_) {
-        if (loader_->stepsLeftInEpoch() == 0) {
-          commitAtEpochEnd = true;  // saved once, as the epoch's end, below
-        } else {
-          commit(summary);
-        }
-      }
+      run_.stoppedEarly = true;
+      thisEpoch_.sampler = loader_->state();
+      thisEpoch_.midEpoch = true;  // a resume continues inside this epoch
+      return EpochEnd::Stopped;
     }
-    if (stopEarly) {
-      samplerState_ = loader_->state();
-      midEpoch_ = true;  // a resume continues inside this epoch
+    const auto waitStart = Clock::now();
+    auto batch = loader_->next();
+    if (!batch) {
       break;
     }
-    if (stopAtEpochEnd) {
-      stoppedEarly_ = epoch_ + 1 < options_.epochs;  // the evaluation knows it is the last
+    timeline_.add("data wait", waitStart, Clock::now(), step_);
+    if (!runStep(*batch)) {
+      continue;  // a rank ran out of memory: the step is repeated under a new split
     }
-    endEpoch(epochStart, epochSteps, summary);
-    ++epoch_;
-    if (!options_.saveDir.empty()) {
-      summary.lastStateFile = save();
-      lastSaved_ = step_;
+    samples += batch->share.globalBatch;
+    ++thisEpoch_.steps;
+    elastic_.stepDone(step_, step_ == run_.startStep + 1, comm_.rank(), batch->share.indices);
+    if (options_.timeBudgetSeconds > 0) {
+      updateTimeBudget();
     }
-    if (commitAtEpochEnd) {
-      agreeAtCommit(summary);
-    }
-    if (stopAtEpochEnd) {
-      break;
-    }
-  }
-  if (stopEarly) {
-    // maxSteps or the time budget ended the run inside an epoch: evaluate what was
-    // trained.
-    const auto evaluation = evaluate();
-    if (!evaluation.empty()) {
-      reporter_.evaluationAtStop(epoch_, step_, evaluation, currentPlan().describe(),
-                                 budgetSteps_ > 0 && step_ >= budgetSteps_ &&
-                                         !(options_.maxSteps > 0 && step_ >= options_.maxSteps)
-                                     ? "the time budget"
-                                     : "maxSteps");
-    }
-    if (!options_.saveDir.empty() && lastSaved_ != step_) {
-      summary.lastStateFile = save();
+    if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0 : elastic_.commitDue(step_)) {
+      if (loader_->stepsLeftInEpoch() == 0) {
+        commitAtEpochEnd = true;  // saved once, as the epoch's end, below
+      } else {
+        commit(summary);
+      }
     }
   }
-  summary.steps = step_ - startStep;
-  summary.totalSteps = step_;
-  summary.seconds = seconds(start, Clock::now());
-  summary.samplesPerSecond = summary.seconds > 0 ? samples / summary.seconds : 0.0;
-  summary.lastTrainLoss = lastEpochLoss_;
-  summary.repeatedSteps = repeatedSteps_;
-  summary.peakMemoryBytes = runPeakMemory_;
-  summary.lastEvaluation = lastEvaluation_;
-  if (timeline_.enabled()) {
-    timeline_.write(comm_, options_.timelinePath);
+  if (stopAtEpochEnd) {
+    run_.stoppedEarly = epoch_ + 1 < options_.epochs;  // the evaluation knows it is the last
   }
-  reporter_.summary(summary, lastEvaluation_);
-  return summary;
+  endEpoch(epochStart, thisEpoch_.steps, summary);
+  ++epoch_;
+  if (!options_.saveDir.empty()) {
+    summary.lastStateFile = save();
+    run_.lastSaved = step_;
+  }
+  if (commitAtEpochEnd) {
+    elastic_.committed(comm_, step_, summary.lastStateFile, run_.lastSaveStart);
+  }
+  return stopAtEpochEnd ? EpochEnd::StopsTheRun : EpochEnd::Complete;
 }
 
 void Trainer::Impl::barrier() {
@@ -468,7 +416,7 @@ BatchPlanner* Trainer::planner() { return impl_->planner_.get(); }
 
 AmpMode Trainer::ampMode() const { return impl_->options_.amp; }
 
-bool Trainer::stoppedEarly() const { return impl_->stoppedEarly_; }
+bool Trainer::stoppedEarly() const { return impl_->run_.stoppedEarly; }
 BatchPlan Trainer::plan() const { return impl_->currentPlan(); }
 GradScaler& Trainer::scaler() { return *impl_->scaler_; }
 PrefetchLoader& Trainer::loader() { return *impl_->loader_; }

@@ -60,6 +60,14 @@ class Trainer::Impl {
 
   // ---- the loop (trainer.cpp) ----------------------------------------------------------
 
+  /// How an epoch ended: complete (the run goes on), on the run's last step (maxSteps or
+  /// the budget at the epoch's end), or stopped inside (a resume continues it).
+  enum class EpochEnd { Complete, StopsTheRun, Stopped };
+  /// fit()'s resume: the given `resume`, or on a launcher's restart the newest commit.
+  void resumeForFit();
+  /// One epoch (or the rest of one), its end, evaluation and state file.
+  EpochEnd runEpoch(TrainSummary& summary, int64_t& samples);
+
   void applyGivenMemoryCaps();
   /// Compute seconds per sample from a timed forward pass (for the seed).
   double timeForward(const Dataset& data);
@@ -81,76 +89,81 @@ class Trainer::Impl {
   torch::optim::Optimizer& optimizer_;
   TrainerOptions options_;
   c10::Device device_;
+  // The launcher's protocol (elastic.h): sample log, progress mark, job record, commits.
+  train::ElasticRun elastic_;
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<BatchPlanner> planner_;
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<PrefetchLoader> loader_;
   std::unique_ptr<Emulator> emulator_;
   train::MemoryMeter memory_;
-  train::MemoryReading lastMemory_;  // this step's (valid after a step with samples)
-  double epochPeakMemory_ = 0;       // MemoryReading::peak() over the epoch, the run
-  double runPeakMemory_ = 0;
   std::unique_ptr<StepTimer> timer_;
-  bool hasSyncBatchNorm_ = false;
   ScheduleFn schedule_;
   EvalFn evaluation_;
   Timeline timeline_;
   train::Reporter reporter_;
+  bool hasSyncBatchNorm_ = false;
+  // The gradients' ring allreduce over the slowest rank's link, predicted from the seed
+  // (0: not predicted): a time per step that no split of the batch changes.
+  double predictedAllreduceSeconds_ = 0;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;
-  bool stoppedEarly_ = false;
-  // The time budget (TrainerOptions::timeBudgetSeconds): the step at which it ends the
-  // run (0: not measured yet), fit()'s start, and the seconds spent in evaluations.
-  int64_t budgetSteps_ = 0;
-  Clock::time_point fitStart_;
-  int64_t fitStartStep_ = 0;
-  double evaluationSeconds_ = 0;  // the budget's, the job's (carried by a restart)
-  // The budget's training seconds before this fit() (carried by a restart), and the
-  // step it started at.
-  double budgetSecondsBefore_ = 0;
-  int64_t budgetStartStep_ = 0;
-  bool carryBudget_ = false;  // load() takes the saved budget (a launcher's restart)
-  bool restarted_ = false;    // load() runs for a launcher's restart of this job
-  int64_t epochSteps_ = 0;    // steps of the epoch in progress (carried mid-epoch)
+
+  /// This fit() (and what it reports in its summary).
+  struct RunState {
+    Clock::time_point start;
+    int64_t startStep = 0;
+    bool stoppedEarly = false;  // maxSteps or the time budget ended it inside the epochs
+    bool resumed = false;       // it started from a state file
+    bool restarted = false;     // load() runs for a launcher's restart of this job
+    int64_t lastSaved = -1;     // the step of the newest state file
+    Clock::time_point lastSaveStart{};  // when that save began
+    int64_t repeatedSteps = 0;          // abandoned (out of memory) and trained again
+    double peakMemory = 0;              // MemoryReading::peak() over the run
+    double lastTrainLoss = 0;           // of the last complete epoch
+    std::map<std::string, double> lastEvaluation;
+  } run_;
+
+  /// The epoch in progress (carried by a mid-epoch state file).
+  struct EpochState {
+    int64_t steps = 0;
+    double lossSum = 0;  // over all ranks (rank 0 carries it)
+    int64_t samples = 0;
+    bool midEpoch = false;  // a resume continues inside the epoch, at `sampler`
+    DistributedSampler::State sampler;
+    double peakMemory = 0;  // MemoryReading::peak() over the epoch
+  } thisEpoch_;
+
+  /// What the step just run left for its report and the next step.
+  struct LastStep {
+    at::Tensor loss;                // undefined without samples
+    bool newPlan = false;           // the planner changed the plan at the step's end
+    train::MemoryReading memory;    // valid after a step with samples
+    double transferSeconds = 0;     // the newest measured input transfer (0: none)
+    double emulatedSeconds = 0;     // the emulator's sleep after the step (0: none)
+  } lastStep_;
+
+  /// The time budget (TrainerOptions::timeBudgetSeconds), the job's: a launcher's
+  /// restart carries it on.
+  struct TimeBudget {
+    int64_t endStep = 0;            // the step at which it ends the run (0: not measured)
+    int64_t startStep = 0;          // the step it started at
+    double secondsBefore = 0;       // training seconds before this fit() (a restart)
+    double evaluationSeconds = 0;   // spent evaluating, left out of the budget
+    bool carry = false;             // load() takes the saved budget (a launcher's restart)
+  } budget_;
+
   /// Steps planned in all (StepInfo::totalSteps).
   int64_t plannedSteps() const;
   nlohmann::json runConfig() const;
   /// Every 10 steps with a time budget: the ranks agree on the step that ends the run.
   void updateTimeBudget();
-  bool midEpoch_ = false;
-  bool resumed_ = false;
-  int64_t lastSaved_ = -1;
-  Clock::time_point lastSaveStart_{};  // when the last state file's save began
-  int64_t repeatedSteps_ = 0;
-  DistributedSampler::State samplerState_;
-  at::Tensor stepLoss_;   // this step's loss (undefined without samples)
-  bool newPlan_ = false;  // the planner changed the plan at the end of this step
-  // The gradients' ring allreduce over the slowest rank's link, predicted from the seed
-  // (0: not predicted): a time per step that no split of the batch changes.
-  double predictedAllreduceSeconds_ = 0;
-  double lastTransferSeconds_ = 0;  // the newest measured input transfer (0: none)
-  double lastEmulatedSeconds_ = 0;  // the emulator's sleep after this step (0: none)
-  double epochLossSum_ = 0;
-  int64_t epochSamples_ = 0;
-  double lastEpochLoss_ = 0;
-  std::map<std::string, double> lastEvaluation_;
 
-  // ---- elastic membership (elastic.h) ------------------------------------------------
-  train::ElasticEnv elastic_;
-  int64_t commitEvery_ = 10;  // steps between commits (re-derived at each commit)
-  int64_t nextCommit_ = 0;
-  Clock::time_point lastCommitTime_;
-  int64_t lastCommitStep_ = 0;
-  train::SampleLog sampleLog_;
-  train::ProgressMark progressMark_;
-  train::JobRecord jobRecord_;  // rank 0 of an elastic job
-  /// A commit: the state file, then (elastic) the ranks agree on a re-form request and
-  /// on the next commit step; leaves the process with kReformExitCode on a request.
+  // ---- commits (budget_and_commits.cpp) -----------------------------------------------
+  /// A commit: the state file, then its elastic part (ElasticRun::committed), which
+  /// leaves the process with kReformExitCode when the group re-forms.
   void commit(TrainSummary& summary);
-  /// The elastic part of a commit whose state file is written (re-form request, next
-  /// commit step); nothing without elastic membership.
-  void agreeAtCommit(const TrainSummary& summary);
 };
 
 /// Seconds from `a` to `b` on the Trainer's clock.

@@ -15,40 +15,41 @@
 namespace hddp {
 
 train::StateParts Trainer::Impl::stateParts() {
-  return train::StateParts{comm_, device_, *model_, optimizer_, *scaler_, planner_.get()};
+  return train::StateParts{comm_,    device_, *model_, optimizer_, *scaler_, planner_.get(),
+                           elastic_.slot()};
 }
 
 std::string Trainer::Impl::save() {
   HDDP_CHECK_AS(ConfigError, !options_.saveDir.empty(),
                 "Trainer::save() needs TrainerOptions::saveDir");
   const auto t0 = Clock::now();
-  lastSaveStart_ = t0;
+  run_.lastSaveStart = t0;
   train::StateMeta meta;
   meta.step = step_;
   meta.epoch = epoch_;
-  meta.midEpoch = midEpoch_;
+  meta.midEpoch = thisEpoch_.midEpoch;
   meta.worldSize = comm_.size();
   meta.globalBatch = options_.globalBatch;
-  if (midEpoch_) {
+  if (thisEpoch_.midEpoch) {
     // The epoch's loss so far over every rank's samples (each rank holds its own).
-    at::Tensor sums = at::tensor({epochLossSum_, static_cast<double>(epochSamples_)}, at::kDouble)
+    at::Tensor sums = at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
                           .to(comm_.device());
     comm_.allreduce(sums).wait();
     comm_.synchronize();  // the host reads it next (Communicator::synchronize)
     sums = sums.cpu();
     meta.progress.epochLossSum = sums[0].item<double>();
     meta.progress.epochSamples = static_cast<int64_t>(sums[1].item<double>());
-    meta.progress.epochSteps = epochSteps_;
+    meta.progress.epochSteps = thisEpoch_.steps;
   }
   meta.progress.budgetSeconds =
-      budgetSecondsBefore_ + (fitStart_ == Clock::time_point{}
+      budget_.secondsBefore + (run_.start == Clock::time_point{}
                                   ? 0.0
-                                  : std::chrono::duration<double>(t0 - fitStart_).count());
-  meta.progress.budgetEvaluationSeconds = evaluationSeconds_;
-  meta.progress.budgetStartStep = budgetStartStep_;
-  meta.progress.budgetSteps = budgetSteps_;
+                                  : std::chrono::duration<double>(t0 - run_.start).count());
+  meta.progress.budgetEvaluationSeconds = budget_.evaluationSeconds;
+  meta.progress.budgetStartStep = budget_.startStep;
+  meta.progress.budgetSteps = budget_.endStep;
   const DistributedSampler::State sampler =
-      midEpoch_ ? samplerState_ : DistributedSampler::State{epoch_, 0};
+      thisEpoch_.midEpoch ? thisEpoch_.sampler : DistributedSampler::State{epoch_, 0};
   const std::string path =
       train::saveState(stateParts(), meta, sampler, options_.saveDir, options_.keepLast);
   timeline_.add("save", t0, Clock::now(), step_);
@@ -56,10 +57,10 @@ std::string Trainer::Impl::save() {
 }
 
 std::string Trainer::Impl::saveMidEpoch() {
-  samplerState_ = loader_->state();
-  midEpoch_ = true;
+  thisEpoch_.sampler = loader_->state();
+  thisEpoch_.midEpoch = true;
   const std::string path = save();
-  midEpoch_ = false;
+  thisEpoch_.midEpoch = false;
   return path;
 }
 
@@ -72,32 +73,32 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   }
   step_ = loaded.meta.step;
   epoch_ = loaded.meta.epoch;
-  midEpoch_ = loaded.meta.midEpoch;
-  samplerState_ = loaded.sampler;
-  resumed_ = true;
+  thisEpoch_.midEpoch = loaded.meta.midEpoch;
+  thisEpoch_.sampler = loaded.sampler;
+  run_.resumed = true;
   const train::StateMeta::Progress& progress = loaded.meta.progress;
   // The epoch so far: its sums are the whole group's, so one rank carries them.
-  epochLossSum_ = midEpoch_ && comm_.rank() == 0 ? progress.epochLossSum : 0.0;
-  epochSamples_ = midEpoch_ && comm_.rank() == 0 ? progress.epochSamples : 0;
-  epochSteps_ = midEpoch_ ? progress.epochSteps : 0;
-  if (carryBudget_ && progress.present) {
+  thisEpoch_.lossSum = thisEpoch_.midEpoch && comm_.rank() == 0 ? progress.epochLossSum : 0.0;
+  thisEpoch_.samples = thisEpoch_.midEpoch && comm_.rank() == 0 ? progress.epochSamples : 0;
+  thisEpoch_.steps = thisEpoch_.midEpoch ? progress.epochSteps : 0;
+  if (budget_.carry && progress.present) {
     // A restart of the same job: the budget and the schedule go on where they were.
-    budgetSecondsBefore_ = progress.budgetSeconds;
-    evaluationSeconds_ = progress.budgetEvaluationSeconds;
-    budgetStartStep_ = progress.budgetStartStep;
-    budgetSteps_ = progress.budgetSteps;
+    budget_.secondsBefore = progress.budgetSeconds;
+    budget_.evaluationSeconds = progress.budgetEvaluationSeconds;
+    budget_.startStep = progress.budgetStartStep;
+    budget_.endStep = progress.budgetSteps;
   } else {
-    budgetSecondsBefore_ = 0;
-    evaluationSeconds_ = 0;
-    budgetStartStep_ = step_;
-    budgetSteps_ = 0;
+    budget_.secondsBefore = 0;
+    budget_.evaluationSeconds = 0;
+    budget_.startStep = step_;
+    budget_.endStep = 0;
   }
   // Caps given now win over the saved ones (a cap given again at resume replaces a
   // learned one, also upwards: how a learned cap is raised after a change of card or
   // model); a saved plan that breaks one is re-solved at once. On a launcher's restart
   // the same command line comes back: a cap learned since (out of memory) is lower and
   // stays.
-  if (restarted_ && planner_) {
+  if (run_.restarted && planner_) {
     const std::vector<int64_t> saved = planner_->memoryCaps();
     for (int r = 0; r < comm_.size() && static_cast<size_t>(r) < options_.maxLocalBatch.size();
          ++r) {
@@ -111,7 +112,7 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   }
   HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", loaded.path, " at step ", step_,
                   ", epoch ", epoch_,
-                  midEpoch_ ? " (mid-epoch, sample " + std::to_string(samplerState_.position) + ")"
+                  thisEpoch_.midEpoch ? " (mid-epoch, sample " + std::to_string(thisEpoch_.sampler.position) + ")"
                             : std::string());
 }
 

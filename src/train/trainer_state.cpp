@@ -90,15 +90,14 @@ StateMeta decode(const at::Tensor& meta, const std::string& path) {
 
 // Who a rank is across generations of an elastic job: its launcher slot (HDDP_SLOT),
 // else -(rank + 1), so that without elasticity rank r is rank r.
-int64_t memberId(int rank) {
-  const ElasticEnv e = elasticFromEnv();
-  return e.slot >= 0 ? e.slot : -(static_cast<int64_t>(rank) + 1);
+int64_t memberId(const StateParts& parts) {
+  return parts.slot >= 0 ? parts.slot : -(static_cast<int64_t>(parts.comm.rank()) + 1);
 }
 
 // This rank's own part of the state: who it is, its RNGs and the planner's window.
 std::vector<uint8_t> rankBlob(const StateParts& parts) {
   OutputArchive a;
-  a.write("member", at::tensor(std::vector<int64_t>{memberId(parts.comm.rank())}, at::kLong));
+  a.write("member", at::tensor(std::vector<int64_t>{memberId(parts)}, at::kLong));
   a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));
   const c10::Device device = parts.device;
   if (device.type() != c10::kCPU) {
@@ -131,7 +130,7 @@ std::vector<int> matchMembers(const StateParts& parts, InputArchive& file, int64
     at::Tensor member;
     saved.push_back(blob.try_read("member", member) ? member.item<int64_t>() : -(i + 1));
   }
-  const std::string bytes = std::to_string(memberId(parts.comm.rank()));
+  const std::string bytes = std::to_string(memberId(parts));
   const auto all = parts.comm.allgatherBytes(std::vector<uint8_t>(bytes.begin(), bytes.end()));
   std::vector<int> from;
   for (const auto& b : all) {

@@ -80,6 +80,9 @@ struct StateParts {
   torch::optim::Optimizer& optimizer;
   GradScaler& scaler;
   BatchPlanner* planner;
+  /// The launcher's slot in an elastic job (LaunchInfo::slot; -1: none): who the rank
+  /// is across generations, whose own part it takes at a resume.
+  int slot = -1;
 };
 
 /// Writes the state file of `meta.step` in `directory` (rank 0; collective), keeping

@@ -56,6 +56,25 @@ TEST(Launch, Torchrun) {
   EXPECT_FALSE(detectLaunch({}, env).useAgentStore);
 }
 
+// What the Trainer takes from the launch information instead of reading the
+// environment itself: the restart count of any launcher (torchrun's variable, which
+// hddp-run sets, else a requeued Slurm job's), and an elastic job's slot and folder.
+TEST(Launch, RestartCountSlotAndElasticJobWhateverTheLauncher) {
+  EXPECT_EQ(detectLaunch({}, {}).restartCount, 0);
+  EXPECT_FALSE(detectLaunch({}, {}).elastic);
+  EXPECT_EQ(detectLaunch({}, {{"TORCHELASTIC_RESTART_COUNT", "3"}}).restartCount, 3);
+  EnvMap slurm = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_RESTART_COUNT", "2"}};
+  EXPECT_EQ(detectLaunch({}, slurm).restartCount, 2);
+  slurm["TORCHELASTIC_RESTART_COUNT"] = "0";  // not positive: Slurm's count decides
+  EXPECT_EQ(detectLaunch({}, slurm).restartCount, 2);
+  const auto elastic = detectLaunch(
+      {}, {{"HDDP_ELASTIC", "1"}, {"HDDP_SLOT", "4"}, {"HDDP_ELASTIC_DIR", "/tmp/job"}});
+  EXPECT_TRUE(elastic.elastic);
+  EXPECT_EQ(elastic.slot, 4);
+  EXPECT_EQ(elastic.elasticDir, "/tmp/job");
+  EXPECT_THROW(detectLaunch({}, {{"TORCHELASTIC_RESTART_COUNT", "x"}}), hddp::ConfigError);
+}
+
 TEST(Launch, Slurm) {
   EnvMap env = {{"SLURM_PROCID", "3"},
                 {"SLURM_NTASKS", "4"},

@@ -33,10 +33,17 @@ struct LaunchInfo {
   int localWorldSize = 1;
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
+  /// How often the launcher restarted the job: TORCHELASTIC_RESTART_COUNT (torchrun,
+  /// hddp-run), else SLURM_RESTART_COUNT (a requeued Slurm job); 0 when neither is set.
   int restartCount = 0;
   /// hddp-run's slot in an elastic job (HDDP_SLOT; -1: none): the default device is
   /// cuda:<slot>, so a rank keeps its GPU whichever ranks are there. Else localRank.
   int slot = -1;
+  /// An elastic job of hddp-run (HDDP_ELASTIC=1): the Trainer commits and may leave for
+  /// the group to re-form (docs/elastic.md).
+  bool elastic = false;
+  /// Where an elastic job's commits and job record go (HDDP_ELASTIC_DIR; empty: none).
+  std::string elasticDir;
   /// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True).
   bool useAgentStore = false;
   Launcher launcher = Launcher::Single;

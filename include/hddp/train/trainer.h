@@ -35,6 +35,7 @@
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/balance/planner.h"
+#include "hddp/comm/launch.h"
 #include "hddp/core/step_timer.h"
 #include "hddp/data/loader.h"
 #include "hddp/ddp/distributed_data_parallel.h"
@@ -119,10 +120,15 @@ struct TrainerOptions {
   /// Resume from a state file, or from the newest valid one in a directory; "" = start
   /// fresh. Default "".
   std::string resume;
-  /// When the launcher restarted this program (TORCHELASTIC_RESTART_COUNT > 0, as
-  /// hddp-run --max-restarts and torchrun set it) and `resume` is empty, resume from the
-  /// newest valid state in saveDir (starting fresh when it holds none). Default true.
+  /// When the launcher restarted this program (LaunchInfo::restartCount > 0, as
+  /// hddp-run --max-restarts, torchrun and a requeued Slurm job set it) and `resume` is
+  /// empty, resume from the newest valid state in saveDir (starting fresh when it holds
+  /// none). Default true.
   bool resumeOnRestart = true;
+  /// What the launcher said about this process: its restart count, and an elastic job's
+  /// slot and commit folder. Default: detectLaunch() of the environment; give
+  /// DistributedContext::info (initFromEnv) to say it once.
+  std::optional<LaunchInfo> launch;
   /// Memory caps given per rank: the most samples rank r may get in a step (0 = no
   /// cap); empty = none. With balancing the planner keeps every share within its cap;
   /// with the equal split a share above its cap is a ConfigError.

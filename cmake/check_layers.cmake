@@ -18,9 +18,10 @@ if(NOT SOURCE_DIR)
 endif()
 get_filename_component(SOURCE_DIR "${SOURCE_DIR}" ABSOLUTE)
 
-# Private headers of core that the layers above share (the library's own internals:
-# the gradient capture used by DDP and checkpointing, LibTorch version shims).
-set(SHARED_PRIVATE_HEADERS core/gradient_capture.h core/torch_compat.h)
+# Private headers that the layers above share (the library's own internals: the
+# gradient capture used by DDP and checkpointing, LibTorch version shims, the Trainer's
+# access to DDP's abandoned step and bucket times).
+set(SHARED_PRIVATE_HEADERS core/gradient_capture.h core/torch_compat.h ddp/ddp_access.h)
 
 # ---- the rules, from the architecture document ------------------------------------------
 if(NOT LAYERS_DOC)

@@ -19,6 +19,7 @@
 #include "hddp/comm/launch.h"
 #include "hddp/comm/rendezvous.h"
 #include "hddp/comm/store.h"
+#include "hddp/comm/wait_observer.h"
 #include "hddp/comm/work.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"

@@ -262,4 +262,29 @@ double Emulator::apply(double computeSeconds, int64_t bytesMoved, double queuedS
   return computeSeconds + extra;
 }
 
+Emulator::Measured Emulator::measure(const StepTiming& timing) {
+  Measured out;
+  StepMeasurement& m = out.measurement;
+  m.samples = timing.label.samples;
+  m.bytes = timing.label.bytes;
+  m.computeSeconds = timing.computeSeconds();
+  m.fixedSeconds = timing.tailSeconds;
+  // The input copy as the copy stream's events timed it (a device rank; 0 on CPU).
+  m.transferSeconds = timing.transferSeconds;
+  double emulatedTransfer = 0.0;
+  if (active() && m.samples > 0) {
+    const double before = m.computeSeconds;
+    const double total = apply(m.computeSeconds, m.bytes, timing.queuedSeconds);
+    out.emulatedSeconds = total - before;
+    emulatedTransfer = transferSeconds(m.bytes);
+    m.computeSeconds = total - emulatedTransfer;
+    m.fixedSeconds = stretch(m.fixedSeconds);
+    if (emulatedTransfer > 0) {
+      m.transferSeconds = emulatedTransfer;  // the emulated link replaces the real one
+    }
+  }
+  out.computeSeconds = m.computeSeconds + emulatedTransfer;
+  return out;
+}
+
 }  // namespace hddp

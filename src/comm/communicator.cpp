@@ -122,7 +122,7 @@ class C10dCommunicator final : public Communicator {
       return copiedBackOnCompletion(allreduce(host, options), {host}, {tensor});
     }
     std::vector<at::Tensor> tensors{tensor};
-    return reduceInPlace(tensors, options.op, "allreduce");
+    return reduceInPlace(tensors, options, "allreduce");
   }
 
   Work allreduceCoalesced(std::vector<at::Tensor>& tensors,
@@ -154,7 +154,7 @@ class C10dCommunicator final : public Communicator {
     }
     std::vector<at::Tensor> flat{at::cat(flat_views)};
     std::vector<at::Tensor> targets = tensors;
-    auto work = reduceInPlace(flat, options.op, "allreduceCoalesced", describeTensors(tensors));
+    auto work = reduceInPlace(flat, options, "allreduceCoalesced", describeTensors(tensors));
     // Scatter back into the caller's tensors once the collective has completed.
     auto finishFlat = std::move(work.impl_unsafe()->onComplete);
     work.impl_unsafe()->onComplete = [flat, targets, finishFlat]() mutable {
@@ -171,13 +171,17 @@ class C10dCommunicator final : public Communicator {
     return std::move(work.work);
   }
 
-  Work broadcast(at::Tensor& tensor, int root) override {
+  using Communicator::broadcast;
+  using Communicator::reduceScatter;
+
+  Work broadcast(at::Tensor& tensor, const BroadcastOptions& options) override {
+    const int root = options.root;
     checkTensor(tensor, "broadcast");
     HDDP_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of this ", size_,
                "-rank group");
     if (needsStaging(tensor)) {
       at::Tensor host = toHost(tensor);
-      return copiedBackOnCompletion(broadcast(host, root), {host}, {tensor});
+      return copiedBackOnCompletion(broadcast(host, options), {host}, {tensor});
     }
     std::vector<at::Tensor> tensors{tensor};
     const std::string what =
@@ -187,11 +191,12 @@ class C10dCommunicator final : public Communicator {
     }
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
-    opts.timeout = timeout_;
+    opts.timeout = timeoutOf(options);
     return launch(what, [&] { return backend_->broadcast(tensors, opts); });
   }
 
-  Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) override {
+  Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                 const AllgatherOptions& options) override {
     checkTensor(input, "allgather");
     HDDP_CHECK(static_cast<int>(outputs.size()) == size_, "allgather needs ", size_,
                " output tensors (one per rank), got ", outputs.size());
@@ -209,7 +214,7 @@ class C10dCommunicator final : public Communicator {
       for (const auto& out : outputs) {
         host.push_back(at::empty(out.sizes(), out.options().device(c10::kCPU)));
       }
-      return copiedBackOnCompletion(allgather(host, toHost(input)), host, outputs);
+      return copiedBackOnCompletion(allgather(host, toHost(input), options), host, outputs);
     }
     const std::string what = c10::str("allgather of ", describeTensors({input}), rankSuffix());
     if (input.numel() == 0) {
@@ -218,11 +223,13 @@ class C10dCommunicator final : public Communicator {
     std::vector<std::vector<at::Tensor>> outs{outputs};
     std::vector<at::Tensor> ins{input};
     c10d::AllgatherOptions opts;
-    opts.timeout = timeout_;
+    opts.timeout = timeoutOf(options);
     return launch(what, [&] { return backend_->allgather(outs, ins, opts); });
   }
 
-  Work reduceScatter(at::Tensor& output, const at::Tensor& input, ReduceOp op) override {
+  Work reduceScatter(at::Tensor& output, const at::Tensor& input,
+                     const ReduceScatterOptions& options) override {
+    const ReduceOp op = options.op;
     checkTensor(output, "reduceScatter");
     checkTensor(input, "reduceScatter");
     HDDP_CHECK(input.numel() == output.numel() * size_, "reduceScatter: input has ", input.numel(),
@@ -231,7 +238,8 @@ class C10dCommunicator final : public Communicator {
                "reduceScatter: input and output must share dtype and device");
     if (needsStaging(output)) {
       at::Tensor host = at::empty(output.sizes(), output.options().device(c10::kCPU));
-      return copiedBackOnCompletion(reduceScatter(host, toHost(input), op), {host}, {output});
+      return copiedBackOnCompletion(reduceScatter(host, toHost(input), options), {host},
+                                    {output});
     }
     const std::string what = c10::str("reduceScatter(", reduceOpName(op), ") of ",
                                       describeTensors({input}), rankSuffix());
@@ -247,7 +255,7 @@ class C10dCommunicator final : public Communicator {
     }
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = toC10d(emulateAvg ? ReduceOp::Sum : op);
-    opts.timeout = timeout_;
+    opts.timeout = timeoutOf(options);
     auto work = launch(what, [&] { return backend_->reduce_scatter(outs, ins, opts); });
     if (emulateAvg) {
       at::Tensor out = output;
@@ -257,10 +265,10 @@ class C10dCommunicator final : public Communicator {
     return std::move(work.work);
   }
 
-  Work barrier() override {
+  Work barrier(const BarrierOptions& options) override {
     const std::string what = c10::str("barrier", rankSuffix());
     c10d::BarrierOptions opts;
-    opts.timeout = timeout_;
+    opts.timeout = timeoutOf(options);
     if (kind_ == Backend::Nccl) {
       opts.device = device_;
     }
@@ -289,6 +297,13 @@ class C10dCommunicator final : public Communicator {
   };
 
   std::string rankSuffix() const { return c10::str(" on rank ", rank_, "/", size_); }
+
+  // A call's own timeout, else the communicator's.
+  std::chrono::milliseconds timeoutOf(const CollectiveOptions& options) const {
+    HDDP_CHECK(options.timeout.count() >= 0, "a collective's timeout must be >= 0 (0: the ",
+               "communicator's), got ", options.timeout.count(), " ms");
+    return options.timeout.count() > 0 ? options.timeout : timeout_;
+  }
 
   // Gloo reduces host memory, and CUDA tensors, which ProcessGroupGloo stages itself.
   // Tensors of any other device (a PrivateUse1 accelerator such as hddp::emu) are staged
@@ -336,7 +351,7 @@ class C10dCommunicator final : public Communicator {
   Work completed(const std::string& what) {
     auto impl = std::make_unique<WorkAccess::Impl>();
     impl->description = what;
-    impl->waitTimer = waitTimer();
+    impl->waitObservers = waitObservers();
     return WorkAccess::make(std::move(impl));
   }
 
@@ -344,7 +359,7 @@ class C10dCommunicator final : public Communicator {
   PendingWork launch(const std::string& what, Launch&& fn) {
     auto impl = std::make_unique<WorkAccess::Impl>();
     impl->description = what;
-    impl->waitTimer = waitTimer();
+    impl->waitObservers = waitObservers();
     try {
       // c10d's FlightRecorder (torch 2.11) updates a process-wide map before taking its
       // own lock when a collective is enqueued; launches from several communicators on
@@ -361,8 +376,9 @@ class C10dCommunicator final : public Communicator {
     return PendingWork{WorkAccess::make(std::move(impl)), raw};
   }
 
-  PendingWork reduceInPlace(std::vector<at::Tensor>& tensors, ReduceOp op, const char* name,
-                            const std::string& shown = "") {
+  PendingWork reduceInPlace(std::vector<at::Tensor>& tensors, const AllreduceOptions& options,
+                            const char* name, const std::string& shown = "") {
+    const ReduceOp op = options.op;
     checkAvg(op, tensors[0]);
     const std::string what =
         c10::str(name, "(", reduceOpName(op), ") of ",
@@ -376,7 +392,7 @@ class C10dCommunicator final : public Communicator {
     const bool emulateAvg = op == ReduceOp::Avg && kind_ == Backend::Gloo;
     c10d::AllreduceOptions opts;
     opts.reduceOp = toC10d(emulateAvg ? ReduceOp::Sum : op);
-    opts.timeout = timeout_;
+    opts.timeout = timeoutOf(options);
     auto pending = launch(what, [&] { return backend_->allreduce(tensors, opts); });
     if (emulateAvg) {
       at::Tensor t = tensors[0];
@@ -395,6 +411,17 @@ class C10dCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+RemovableHandle Communicator::addWaitObserver(WaitObserver& observer) {
+  waitObservers_->add(&observer);
+  std::weak_ptr<detail::WaitObservers> registry = waitObservers_;
+  WaitObserver* registered = &observer;
+  return RemovableHandle([registry, registered] {
+    if (auto observers = registry.lock()) {
+      observers->remove(registered);
+    }
+  });
+}
 
 std::vector<std::vector<uint8_t>> Communicator::allgatherBytes(const std::vector<uint8_t>& mine) {
   const c10::Device dev = device();

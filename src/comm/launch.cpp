@@ -308,27 +308,19 @@ LaunchInfo validated(Parsed p) {
   return info;
 }
 
-}  // namespace
-
-LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
-  Parsed parsed = fromEnvironment(env);
-  applyOptions(options, parsed);
-  LaunchInfo info = validated(std::move(parsed));
+// What the launcher says about the job, whatever the launcher: the slot, the restarts
+// (torchrun's count, else Slurm's, the first that is positive) and the elastic job.
+void readJob(const EnvMap& env, LaunchInfo& info) {
   if (find(env, protocol::kEnvSlot)) {
     info.slot = intVar(env, protocol::kEnvSlot);
-    HDDP_CHECK_AS(ConfigError, info.slot >= 0, "HDDP_SLOT=", info.slot,
-                  " must be >= 0 (hddp-run sets it in an elastic job)");
   }
-  // Whatever the launcher: torchrun's restart count (hddp-run sets it too), else Slurm's
-  // (a requeued job), the first that is positive.
-  if (info.restartCount == 0) {
-    for (const char* name : {protocol::kEnvRestartCount, "SLURM_RESTART_COUNT"}) {
-      if (find(env, name)) {
-        const int n = intVar(env, name);
-        if (n > 0) {
-          info.restartCount = n;
-          break;
-        }
+  info.jobRestarts = 0;
+  for (const char* name : {protocol::kEnvRestartCount, "SLURM_RESTART_COUNT"}) {
+    if (find(env, name)) {
+      const int n = intVar(env, name);
+      if (n > 0) {
+        info.jobRestarts = n;
+        break;
       }
     }
   }
@@ -338,6 +330,21 @@ LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
   if (const std::string* dir = find(env, protocol::kEnvElasticDir)) {
     info.elasticDir = *dir;
   }
+}
+
+}  // namespace
+
+LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env) {
+  Parsed parsed = fromEnvironment(env);
+  applyOptions(options, parsed);
+  LaunchInfo info = validated(std::move(parsed));
+  readJob(env, info);
+  return info;
+}
+
+LaunchInfo detectJob(const EnvMap& env) {
+  LaunchInfo info;
+  readJob(env, info);
   return info;
 }
 

@@ -1,5 +1,10 @@
 #include "hddp/comm/work.h"
 
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <vector>
+
 #include "comm/errors.h"
 #include "comm/work_impl.h"
 #include "hddp/core/error.h"
@@ -7,27 +12,65 @@
 namespace hddp {
 namespace {
 
-// The span of a wait on the communicator's step timer, closed on every way out.
+// A wait told to the communicator's observers, ended on every way out: the observers
+// registered when it began are the ones told that it ended.
 class WaitSpan {
  public:
-  explicit WaitSpan(StepTimer* timer) : timer_(timer) {
-    if (timer_) {
-      timer_->beginWait();
+  explicit WaitSpan(const std::shared_ptr<detail::WaitObservers>& observers) {
+    if (!observers) {
+      return;
+    }
+    for (WaitObserver* o : observers->current()) {
+      try {
+        o->beginWait();
+      } catch (...) {
+        end();  // those already told hear the end: every begin has its end
+        throw;
+      }
+      told_.push_back(o);
     }
   }
-  ~WaitSpan() {
-    if (timer_) {
-      timer_->endWait();
-    }
-  }
+  ~WaitSpan() { end(); }
   WaitSpan(const WaitSpan&) = delete;
   WaitSpan& operator=(const WaitSpan&) = delete;
 
  private:
-  StepTimer* timer_;
+  void end() noexcept {
+    for (auto it = told_.rbegin(); it != told_.rend(); ++it) {
+      try {
+        (*it)->endWait();
+      } catch (...) {  // an observer's failure must not replace the wait's own error
+      }
+    }
+    told_.clear();
+  }
+
+  std::vector<WaitObserver*> told_;
 };
 
 }  // namespace
+
+namespace detail {
+
+void WaitObservers::add(WaitObserver* observer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  observers_.push_back(observer);
+}
+
+void WaitObservers::remove(WaitObserver* observer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = std::find(observers_.begin(), observers_.end(), observer);
+  if (it != observers_.end()) {
+    observers_.erase(it);
+  }
+}
+
+std::vector<WaitObserver*> WaitObservers::current() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return observers_;
+}
+
+}  // namespace detail
 
 Work::Work() : impl_(std::make_unique<Impl>()) { impl_->description = "no-op"; }
 Work::Work(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -45,8 +88,12 @@ void Work::wait(std::chrono::milliseconds timeout) {
   if (impl_->finished) {
     return;
   }
+  // The span covers what runs on completion too (a staged tensor's copy back to its
+  // device, the Avg division): waiting for the collective's result, as Gloo's own
+  // staging of CUDA tensors inside its wait.
+  std::optional<WaitSpan> span;
   if (impl_->work) {
-    WaitSpan span(impl_->waitTimer);
+    span.emplace(impl_->waitObservers);
     try {
       impl_->work->wait(timeout.count() > 0 ? timeout : std::chrono::milliseconds(0));
     } catch (...) {
@@ -69,8 +116,9 @@ void Work::synchronize() {
     wait();
     return;
   }
+  std::optional<WaitSpan> span;
   if (impl_->work) {
-    WaitSpan span(impl_->waitTimer);
+    span.emplace(impl_->waitObservers);
     try {
       impl_->work->synchronize();
     } catch (...) {

@@ -5,7 +5,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "hddp/comm/work.h"
-#include "hddp/core/step_timer.h"
+#include "hddp/comm/wait_observer.h"
 
 namespace hddp {
 
@@ -19,8 +19,8 @@ struct Work::Impl {
   /// synchronize() waits as wait() does: Gloo's collectives complete on the host, where
   /// c10d's synchronize() returns at once, before what runs on completion may.
   bool synchronizeWaits = false;
-  /// Marks wait() and synchronize() as waiting (Communicator::setWaitTimer).
-  StepTimer* waitTimer = nullptr;
+  /// Told of wait() and synchronize() (Communicator::addWaitObserver); null: nobody.
+  std::shared_ptr<detail::WaitObservers> waitObservers;
 };
 
 /// How the communicator's implementation builds a Work and edits it before handing it out.

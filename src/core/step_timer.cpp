@@ -28,8 +28,8 @@ class HostStepTimer final : public StepTimer {
     depth_ = 0;
     waited_ = false;
   }
-  // Nested spans (DDP's wait for all buckets around each bucket's Work::wait()) count
-  // once: the outermost.
+  // Nested spans (a caller's own span around a Work::wait() that an observer marks too)
+  // count once: the outermost.
   void beginWait() override {
     if (open_ && depth_++ == 0) {
       waitStart_ = Clock::now();

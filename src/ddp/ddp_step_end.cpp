@@ -1,10 +1,15 @@
-// DistributedDataParallel::Impl (ddp/ddp_impl.h): the end of a synchronized backward,
-// and the buckets: their layout and its rebuild from the order gradients were ready in.
+// DistributedDataParallel::Impl (ddp/ddp_impl.h): the end of a synchronized backward, an
+// abandoned step, the buffers' synchronisation, and the buckets: their layout and its
+// rebuild from the order gradients were ready in.
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
 
+#include "ddp/bucketing.h"
+#include "ddp/coalesced.h"
 #include "ddp/ddp_impl.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 
 namespace hddp {
 
@@ -37,9 +42,6 @@ void DistributedDataParallel::Impl::finalize() {
   }
   stats_.unusedParameters = static_cast<int>(unused.size());
   const auto waitStart = Clock::now();
-  if (timer_) {
-    timer_->beginWait();
-  }
   std::exception_ptr failure;
   for (auto& b : buckets_) {
     try {
@@ -49,9 +51,6 @@ void DistributedDataParallel::Impl::finalize() {
         failure = std::current_exception();
       }
     }
-  }
-  if (timer_) {
-    timer_->endWait();
   }
   const auto waitEnd = Clock::now();
   stepActive_ = false;
@@ -67,10 +66,10 @@ void DistributedDataParallel::Impl::finalize() {
   for (auto& b : buckets_) {
     lastDone = std::max(lastDone, b.completedAtNs->load());
   }
-  stats_.bucketTimes.clear();
+  bucketTimes_.clear();
   for (auto& b : buckets_) {
     const int64_t done = b.completedAtNs->load();
-    stats_.bucketTimes.push_back(
+    bucketTimes_.push_back(
         BucketTiming{b.launchedAt, done > 0 ? Clock::time_point(Clock::duration(done)) : waitEnd,
                      static_cast<int64_t>(b.flat.nbytes())});
   }
@@ -123,6 +122,59 @@ void DistributedDataParallel::Impl::finalize() {
                "= true; otherwise make sure the loss depends on them.");
   }
 }
+
+bool DistributedDataParallel::Impl::abandonStep() {
+  HDDP_CHECK(!noSync_, "abandonStep() inside noSync(): nothing is being synchronized");
+  if (!stepActive_) {
+    beginStep();
+  }
+  if (nextBucket_ >= static_cast<int>(buckets_.size()) && !buckets_.empty()) {
+    return false;
+  }
+  abandoning_ = true;
+  abandonedLocally_ = true;
+  if (!buckets_.empty()) {
+    statusSlot().fill_(1);
+  }
+  try {
+    finalize();
+  } catch (...) {
+    abandoning_ = false;
+    throw;
+  }
+  abandoning_ = false;
+  return true;
+}
+
+bool DistributedDataParallel::Impl::lastStepAbandoned() {
+  if (buckets_.empty()) {
+    return abandonedLocally_;
+  }
+  // The slot holds the sum over ranks after the last bucket's allreduce.
+  return statusSlot().item<double>() > 0.5;
+}
+
+// The last element of the last bucket (launched last): 0 from every rank that
+// finished the step, 1 from a rank that abandoned it; summed by the allreduce.
+at::Tensor DistributedDataParallel::Impl::statusSlot() {
+  const at::Tensor& flat = buckets_.back().flat;
+  return flat.narrow(0, flat.numel() - 1, 1);
+}
+
+// Buffers become the sample-weighted mean over ranks of the values each rank
+// computed since the last synchronisation: a rank with no samples (whose running
+// statistics never moved) sets nothing, a tiny share sets its part. With ranks that
+// start from the same values, BatchNorm's running mean is then exactly that of
+// single-device training on the whole batch. Without setBatch() every rank weighs
+// the same.
+void DistributedDataParallel::Impl::syncBuffers() {
+  if (comm_.size() > 1 && !buffers_.empty()) {
+    detail::averageCoalesced(comm_, buffers_, batchSet_ ? bufferWeight_ : 1.0);
+  }
+  bufferWeight_ = 0.0;
+  batchSet_ = false;
+}
+
 
 void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) {
   std::vector<at::Tensor> tensors;

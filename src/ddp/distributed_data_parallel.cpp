@@ -22,10 +22,7 @@ DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.impl_->setNoSync(previous_); }
 
 void DistributedDataParallel::finalize() { impl_->finalize(); }
-bool DistributedDataParallel::abandonStep() { return impl_->abandonStep(); }
-bool DistributedDataParallel::lastStepAbandoned() { return impl_->lastStepAbandoned(); }
 void DistributedDataParallel::syncBuffers() { impl_->syncBuffers(); }
-void DistributedDataParallel::setStepTimer(StepTimer* timer) { impl_->timer_ = timer; }
 torch::nn::Module& DistributedDataParallel::module() { return *impl_->module_; }
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::modulePtr() const {
   return impl_->module_;
@@ -36,5 +33,17 @@ std::vector<std::vector<std::string>> DistributedDataParallel::bucketLayout() co
   return impl_->layout();
 }
 const DdpStepStats& DistributedDataParallel::lastStepStats() const { return impl_->stats_; }
+
+namespace detail {
+
+bool DdpAccess::abandonStep(DistributedDataParallel& ddp) { return ddp.impl_->abandonStep(); }
+bool DdpAccess::lastStepAbandoned(DistributedDataParallel& ddp) {
+  return ddp.impl_->lastStepAbandoned();
+}
+const std::vector<BucketTiming>& DdpAccess::bucketTimes(const DistributedDataParallel& ddp) {
+  return ddp.impl_->bucketTimes_;
+}
+
+}  // namespace detail
 
 }  // namespace hddp

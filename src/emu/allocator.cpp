@@ -47,6 +47,12 @@ std::atomic<int>& ownDeviceIndex() {
   return own;
 }
 
+// Devices whose stray allocation was reported (once each, until cleared).
+std::array<std::atomic<bool>, kMaxDevices>& strayReported() {
+  static std::array<std::atomic<bool>, kMaxDevices> reported{};
+  return reported;
+}
+
 // An allocation on `device` by a process that computes on another emu device only: stored
 // as a violation, with the backtrace of the first such allocation per device.
 void checkOwnDevice(c10::DeviceIndex device, size_t bytes) {
@@ -54,8 +60,7 @@ void checkOwnDevice(c10::DeviceIndex device, size_t bytes) {
   if (own < 0 || device == own) {
     return;
   }
-  static std::array<std::atomic<bool>, kMaxDevices> reported{};
-  if (reported.at(static_cast<size_t>(device)).exchange(true)) {
+  if (strayReported().at(static_cast<size_t>(device)).exchange(true)) {
     return;
   }
   std::ostringstream out;
@@ -347,6 +352,12 @@ bool isPinned(const void* data) { return data != nullptr && pinnedMemory().conta
 
 c10::Device deviceOfPointer(const void* data) { return deviceMemory().deviceOf(data); }
 
+void resetStrayReports() noexcept {
+  for (auto& r : strayReported()) {
+    r.store(false);
+  }
+}
+
 }  // namespace detail
 
 void setOwnDevice(int device) {
@@ -354,6 +365,7 @@ void setOwnDevice(int device) {
     detail::checkDeviceIndex(static_cast<c10::DeviceIndex>(device));
   }
   detail::ownDeviceIndex().store(device);
+  detail::resetStrayReports();
 }
 
 int ownDevice() { return detail::ownDeviceIndex().load(); }

@@ -28,6 +28,8 @@ int64_t deviceMemoryTotal(int device);
 bool isPinned(const void* data);
 /// The emu device whose memory holds `data`; throws c10::Error when none does.
 c10::Device deviceOfPointer(const void* data);
+/// Forgets which devices had a stray allocation reported (setOwnDevice, clearViolations).
+void resetStrayReports() noexcept;
 
 }  // namespace detail
 }  // namespace emu

@@ -272,7 +272,10 @@ void resetCounters() {
 
 std::vector<std::string> violations() { return detail::storedViolations(); }
 
-void clearViolations() { detail::clearStoredViolations(); }
+void clearViolations() {
+  detail::clearStoredViolations();
+  detail::resetStrayReports();  // a later stray allocation is reported again
+}
 
 void checkNoViolations() {
   const auto found = detail::storedViolations();

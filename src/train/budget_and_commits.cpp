@@ -33,8 +33,10 @@ void Trainer::Impl::updateTimeBudget() {
   const int64_t more = perStep > 0 && left > 0 ? static_cast<int64_t>(left / perStep) : 0;
   const bool first = budget_.endStep == 0;
   // At least one more step: the schedule call of the step about to run is the first to
-  // see the new total, so the run must not end before it (its total would be stale).
-  budget_.endStep = std::max<int64_t>(step_ + 1, step_ + more);
+  // see the new total, so the run must not end before it (its total would be stale);
+  // but not into a next epoch: at an epoch's end the run ends with the epoch.
+  const int64_t atLeast = loader_->stepsLeftInEpoch() == 0 ? step_ : step_ + 1;
+  budget_.endStep = std::max<int64_t>(atLeast, step_ + more);
   if (first) {
     HDDP_LOG_SHARED("train", comm_.rank(), "time budget ", options_.timeBudgetSeconds,
                     " s: ", perStep * 1e3, " ms per step after ", done, " steps, so ",

@@ -139,11 +139,14 @@ int64_t ElasticRun::begin(int rank, const std::string& saveDir) {
   return restarts() > 0 ? ProgressMark::newest(saveDir) : -1;
 }
 
-void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
-                         const std::string& saveDir) {
+void ElasticRun::startCommits(int64_t step) {
   lastCommitTime_ = Clock::now();
   lastCommitStep_ = step;
   nextCommit_ = step + commitEvery_;
+}
+
+void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
+                         const std::string& saveDir) {
   if (!enabled()) {
     return;
   }

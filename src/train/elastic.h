@@ -98,15 +98,18 @@ class ElasticRun {
   const std::string& dir() const { return launch_.elasticDir; }
   /// The launcher's slot (-1: none): who a rank is across generations.
   int slot() const { return launch_.slot; }
-  int restarts() const { return launch_.restartCount; }
+  int restarts() const { return launch_.jobRestarts; }
 
   /// fit()'s start, before the resume: opens the sample log; in an elastic job listens
   /// for re-form requests and says which step the previous generation reached (-1: none
   /// or not a restart), read before this generation marks any.
   int64_t begin(int rank, const std::string& saveDir);
   /// After the resume, at `step`: rank 0 records the start (or resumption), the ranks say
-  /// which steps are trained again, and the progress mark and commit schedule start.
+  /// which steps are trained again, and the progress mark opens.
   void started(int rank, int worldSize, int64_t step, int64_t reached, const std::string& saveDir);
+  /// The commit schedule starts now, at `step` (after the ranks met: the first
+  /// interval's time per step leaves the start-up out).
+  void startCommits(int64_t step);
   /// After each step trained (`first`: the first of this fit()).
   void stepDone(int64_t step, bool first, int rank, const std::vector<int64_t>& indices);
   /// Whether a commit is due after `step` (elastic jobs; saveEvery rules otherwise).

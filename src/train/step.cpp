@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 
+#include "ddp/ddp_access.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -40,7 +41,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   if (readStatus || device_.is_cpu()) {
     comm_.synchronize();
   }
-  const bool abandoned = readStatus && ddp_->lastStepAbandoned();
+  const bool abandoned = readStatus && detail::DdpAccess::lastStepAbandoned(*ddp_);
   timer_->endWait();
   if (abandoned) {
     repeatStep(batch, outOfMemory, clock.start);  // the timer's open step is dropped
@@ -86,7 +87,7 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
       c10::getDeviceAllocator(device_.type())->emptyCache();
     }
     const std::string what = e.what_without_backtrace();
-    HDDP_CHECK(ddp_->abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
+    HDDP_CHECK(detail::DdpAccess::abandonStep(*ddp_), "rank ", comm_.rank(), " ran out of memory after its ",
                "gradients were sent (", what, "); this cannot be retried");
     return what;
   }
@@ -150,42 +151,26 @@ void Trainer::Impl::measureMemory(int64_t local) {
 // over the steps it has finished measuring: this one on the host clock, usually the
 // previous one with device events. Returns the newest compute seconds (0: none yet).
 double Trainer::Impl::measureAndReplan() {
-  const auto& stats = ddp_->lastStepStats();
-  for (const auto& bucket : stats.bucketTimes) {
+  for (const auto& bucket : detail::DdpAccess::bucketTimes(*ddp_)) {
     timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,
                   bucket.bytes);
   }
+  // Collect, then record: the emulator gives each timing as the emulated card would
+  // have (sleeping its extra time), else as measured.
   double compute = 0.0;
   double transfer = 0.0;
   double emulated = 0.0;
   for (const StepTiming& timing : timer_->collect()) {
-    StepMeasurement m;
-    m.samples = timing.label.samples;
-    m.bytes = timing.label.bytes;
-    m.computeSeconds = timing.computeSeconds();
-    m.fixedSeconds = timing.tailSeconds;
-    // The input copy as the copy stream's events timed it (a device rank; 0 on CPU).
-    m.transferSeconds = timing.transferSeconds;
-    double emulatedTransfer = 0.0;
-    if (emulator_->active() && m.samples > 0) {
-      // Sleeps before the next step's gradients are sent, so the other ranks wait for
-      // this one as they would for a slower card behind a slower link.
-      const auto e0 = Clock::now();
-      const double before = m.computeSeconds;
-      const double total = emulator_->apply(m.computeSeconds, m.bytes, timing.queuedSeconds);
-      emulated = total - before;
-      emulatedTransfer = emulator_->transferSeconds(m.bytes);
-      m.computeSeconds = total - emulatedTransfer;
-      m.fixedSeconds = emulator_->stretch(m.fixedSeconds);
-      if (emulatedTransfer > 0) {
-        m.transferSeconds = emulatedTransfer;  // the emulated link replaces the real one
-      }
+    const auto e0 = Clock::now();
+    const Emulator::Measured measured = emulator_->measure(timing);
+    if (emulator_->active() && timing.label.samples > 0) {
       timeline_.add("emulated delay", e0, Clock::now(), timing.label.step);
     }
-    compute = m.computeSeconds + emulatedTransfer;
-    transfer = m.transferSeconds;
+    compute = measured.computeSeconds;
+    transfer = measured.measurement.transferSeconds;
+    emulated += measured.emulatedSeconds;
     if (planner_) {
-      planner_->record(m);
+      planner_->record(measured.measurement);
     }
   }
   lastStep_.transferSeconds = transfer;

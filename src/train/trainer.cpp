@@ -130,8 +130,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       optimizer_(optimizer),
       options_(std::move(options)),
       device_(train::modelDevice(model_.get(), comm)),
-      elastic_(options_.launch ? *options_.launch
-                               : detectLaunch(InitOptions{}, processEnvironment())),
+      elastic_(options_.launch ? *options_.launch : detectJob(processEnvironment())),
       timeline_(!options_.timelinePath.empty()) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
@@ -198,10 +197,10 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   memory_ = train::MemoryMeter(device_, emulation);
   timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
   HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
-  ddp_->setStepTimer(timer_.get());
   // Every collective's wait in a step is waiting, not compute: SyncBatchNorm's in
   // forward and backward, a user's own, DDP's buckets.
-  comm_.setWaitTimer(timer_.get());
+  timerWaits_ = std::make_unique<train::TimerWaits>(*timer_);
+  timerWaitsHandle_ = comm_.addWaitObserver(*timerWaits_);
   HDDP_LOG_SHARED("train", rank, "rank ", rank, "/", comm.size(), " on ", device_.str(), ": ",
                   loader_->dataset().describe(), "; global batch ", options_.globalBatch, ", ",
                   options_.epochs, " epochs, amp ", ampModeName(options_.amp), ", ",
@@ -211,10 +210,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
 }
 
 Trainer::Impl::~Impl() {
-  ddp_->setStepTimer(nullptr);
-  if (comm_.waitTimer() == timer_.get()) {
-    comm_.setWaitTimer(nullptr);
-  }
+  timerWaitsHandle_.remove();
   try {
     loader_->stop();
   } catch (...) {
@@ -237,6 +233,7 @@ TrainSummary Trainer::Impl::fit() {
   reporter_.config(runConfig());
   barrier();  // a common time zero for the timeline
   timeline_.setOrigin(Clock::now());
+  elastic_.startCommits(step_);
 
   TrainSummary summary;
   run_.start = Clock::now();

@@ -17,6 +17,20 @@
 #include "train/trainer_state.h"
 
 namespace hddp {
+namespace train {
+
+/// Tells a step timer of a communicator's waits (Communicator::addWaitObserver).
+class TimerWaits final : public WaitObserver {
+ public:
+  explicit TimerWaits(StepTimer& timer) : timer_(timer) {}
+  void beginWait() override { timer_.beginWait(); }
+  void endWait() override { timer_.endWait(); }
+
+ private:
+  StepTimer& timer_;
+};
+
+}  // namespace train
 
 class Trainer::Impl {
  public:
@@ -98,6 +112,8 @@ class Trainer::Impl {
   std::unique_ptr<Emulator> emulator_;
   train::MemoryMeter memory_;
   std::unique_ptr<StepTimer> timer_;
+  std::unique_ptr<train::TimerWaits> timerWaits_;  // the communicator's waits, on timer_
+  RemovableHandle timerWaitsHandle_;
   ScheduleFn schedule_;
   EvalFn evaluation_;
   Timeline timeline_;

@@ -146,6 +146,46 @@ TEST(Collectives, CompletionCallbackRunsOnceWhenTheCollectiveCompleted) {
   });
 }
 
+// Wait observers: told of every wait (of a Work handed out before they were added too),
+// in begin/end pairs; a removed handle stops it, removing twice is harmless, and a
+// handle may outlive its communicator.
+TEST(Collectives, WaitObserversAreToldOfEachWaitUntilTheirHandleRemovesThem) {
+  struct Counting final : hddp::WaitObserver {
+    void beginWait() override { ++begun; }
+    void endWait() override { ++ended; }
+    int begun = 0;
+    int ended = 0;
+  };
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Counting first;
+    Counting second;
+    at::Tensor t = torch::ones({2});
+    hddp::Work early = comm->allreduce(t);
+    hddp::RemovableHandle a = comm->addWaitObserver(first);
+    early.wait();
+    EXPECT_EQ(first.begun, 1);
+    EXPECT_EQ(first.ended, 1);
+    hddp::RemovableHandle b = comm->addWaitObserver(second);
+    comm->allreduce(t).wait();
+    EXPECT_EQ(first.begun, 2);
+    EXPECT_EQ(second.begun, 1);
+    hddp::RemovableHandle moved = std::move(a);
+    a.remove();  // moved from: removes nothing
+    comm->barrier().wait();
+    EXPECT_EQ(first.begun, 3);
+    moved.remove();
+    moved.remove();
+    comm->allreduce(t).wait();
+    EXPECT_EQ(first.begun, 3) << "a removed observer is not told";
+    EXPECT_EQ(first.ended, 3);
+    EXPECT_EQ(second.begun, 3);
+    EXPECT_EQ(second.ended, 3);
+    comm.reset();
+    b.remove();  // after the communicator is gone: nothing to do, no crash
+  });
+}
+
 TEST(Collectives, AllgatherBytesVariableSizes) {
   runThreads(4, [](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
@@ -199,6 +239,43 @@ TEST(Collectives, MisuseGivesClearErrors) {
   });
   auto store = hddp::Store::memory();
   EXPECT_THROW(hddp::makeCommunicator(store, 2, 2), hddp::ConfigError);
+}
+
+// A collective's own timeout wins over the communicator's (60 s here): rank 0's barrier,
+// which rank 1 never joins, fails after about 0.3 s, naming the barrier.
+TEST(Collectives, ACollectivesOwnTimeoutWinsOverTheCommunicators) {
+  hddp::CommunicatorOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  std::atomic<bool> done{false};
+  std::string error;
+  double seconds = 0;
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size, opts);
+    if (rank == 1) {
+      while (!done.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      return;  // never joins the barrier
+    }
+    hddp::BarrierOptions o;
+    o.timeout = std::chrono::milliseconds(300);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm->barrier(o).wait();
+    } catch (const hddp::DistributedError& e) {
+      error = e.what_without_backtrace();
+    }
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    done.store(true);
+  });
+  EXPECT_NE(error.find("barrier"), std::string::npos) << error;
+  EXPECT_LT(seconds, 10.0) << "the call's 0.3 s timeout, not the communicator's 60 s";
+  hddp::BarrierOptions negative;
+  negative.timeout = std::chrono::milliseconds(-1);
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    EXPECT_THROW(comm->barrier(negative), hddp::Error);
+  });
 }
 
 TEST(Collectives, MissingPeerIsATimeoutNotAHang) {

@@ -60,18 +60,33 @@ TEST(Launch, Torchrun) {
 // environment itself: the restart count of any launcher (torchrun's variable, which
 // hddp-run sets, else a requeued Slurm job's), and an elastic job's slot and folder.
 TEST(Launch, RestartCountSlotAndElasticJobWhateverTheLauncher) {
-  EXPECT_EQ(detectLaunch({}, {}).restartCount, 0);
+  EXPECT_EQ(detectLaunch({}, {}).jobRestarts, 0);
   EXPECT_FALSE(detectLaunch({}, {}).elastic);
-  EXPECT_EQ(detectLaunch({}, {{"TORCHELASTIC_RESTART_COUNT", "3"}}).restartCount, 3);
+  EXPECT_EQ(detectLaunch({}, {{"TORCHELASTIC_RESTART_COUNT", "3"}}).jobRestarts, 3);
   EnvMap slurm = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"SLURM_RESTART_COUNT", "2"}};
-  EXPECT_EQ(detectLaunch({}, slurm).restartCount, 2);
+  EXPECT_EQ(detectLaunch({}, slurm).jobRestarts, 2);
   slurm["TORCHELASTIC_RESTART_COUNT"] = "0";  // not positive: Slurm's count decides
-  EXPECT_EQ(detectLaunch({}, slurm).restartCount, 2);
-  const auto elastic = detectLaunch(
-      {}, {{"HDDP_ELASTIC", "1"}, {"HDDP_SLOT", "4"}, {"HDDP_ELASTIC_DIR", "/tmp/job"}});
-  EXPECT_TRUE(elastic.elastic);
-  EXPECT_EQ(elastic.slot, 4);
-  EXPECT_EQ(elastic.elasticDir, "/tmp/job");
+  EXPECT_EQ(detectLaunch({}, slurm).jobRestarts, 2);
+  // torchrun's first attempt inside a requeued Slurm job: the job was restarted, but the
+  // rendezvous of this attempt is torchrun's attempt 0 (keyed by restartCount).
+  const auto torchrun = detectLaunch({}, {{"RANK", "0"},
+                                          {"WORLD_SIZE", "1"},
+                                          {"TORCHELASTIC_RESTART_COUNT", "0"},
+                                          {"SLURM_RESTART_COUNT", "2"}});
+  EXPECT_EQ(torchrun.restartCount, 0);
+  EXPECT_EQ(torchrun.jobRestarts, 2);
+  const EnvMap elasticEnv = {
+      {"HDDP_ELASTIC", "1"}, {"HDDP_SLOT", "4"}, {"HDDP_ELASTIC_DIR", "/tmp/job"}};
+  for (const auto& elastic : {detectLaunch({}, elasticEnv), hddp::detectJob(elasticEnv)}) {
+    EXPECT_TRUE(elastic.elastic);
+    EXPECT_EQ(elastic.slot, 4);
+    EXPECT_EQ(elastic.elasticDir, "/tmp/job");
+  }
+  // detectJob never fails on who the rank is: a RANK without WORLD_SIZE is
+  // detectLaunch's error, not the Trainer's.
+  const EnvMap partial = {{"RANK", "1"}, {"TORCHELASTIC_RESTART_COUNT", "1"}};
+  EXPECT_THROW(detectLaunch({}, partial), hddp::ConfigError);
+  EXPECT_EQ(hddp::detectJob(partial).jobRestarts, 1);
   EXPECT_THROW(detectLaunch({}, {{"TORCHELASTIC_RESTART_COUNT", "x"}}), hddp::ConfigError);
 }
 

@@ -40,9 +40,14 @@ class StreamSemanticsCommunicator final : public Communicator {
   Backend backend() const override { return inner_->backend(); }
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
   c10::Device device() const override { return inner_->device(); }
-  void setWaitTimer(StepTimer* timer) override {
-    Communicator::setWaitTimer(timer);
-    inner_->setWaitTimer(timer);
+  // The Works it defers are its own; the others are the inner communicator's.
+  RemovableHandle addWaitObserver(WaitObserver& observer) override {
+    auto both = std::make_shared<std::pair<RemovableHandle, RemovableHandle>>(
+        Communicator::addWaitObserver(observer), inner_->addWaitObserver(observer));
+    return RemovableHandle([both] {
+      both->first.remove();
+      both->second.remove();
+    });
   }
 
   Work allreduce(at::Tensor& tensor, const AllreduceOptions& options = {}) override {
@@ -52,22 +57,25 @@ class StreamSemanticsCommunicator final : public Communicator {
                           const AllreduceOptions& options = {}) override {
     return defer(inner_->allreduceCoalesced(tensors, options));
   }
-  Work broadcast(at::Tensor& tensor, int root = 0) override {
+  using Communicator::broadcast;
+  using Communicator::reduceScatter;
+  Work broadcast(at::Tensor& tensor, const BroadcastOptions& options) override {
     synchronize();
-    return inner_->broadcast(tensor, root);
+    return inner_->broadcast(tensor, options);
   }
-  Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) override {
+  Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                 const AllgatherOptions& options = {}) override {
     synchronize();
-    return inner_->allgather(outputs, input);
+    return inner_->allgather(outputs, input, options);
   }
   Work reduceScatter(at::Tensor& output, const at::Tensor& input,
-                     ReduceOp op = ReduceOp::Sum) override {
+                     const ReduceScatterOptions& options) override {
     synchronize();
-    return inner_->reduceScatter(output, input, op);
+    return inner_->reduceScatter(output, input, options);
   }
-  Work barrier() override {
+  Work barrier(const BarrierOptions& options = {}) override {
     synchronize();
-    return inner_->barrier();
+    return inner_->barrier(options);
   }
 
   /// The synchronization point: blocks until every deferred allreduce has completed.
@@ -116,7 +124,7 @@ class StreamSemanticsCommunicator final : public Communicator {
     impl->work =
         c10::make_intrusive<DeferredWork>(WorkAccess::impl(inner)->work, &deferredCompletions_);
     impl->description = inner.description() + " (deferred to synchronize())";
-    impl->waitTimer = waitTimer();
+    impl->waitObservers = waitObservers();
     pending_.push_back(std::move(inner));
     return WorkAccess::make(std::move(impl));
   }

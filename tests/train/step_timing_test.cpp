@@ -332,15 +332,28 @@ TEST(StepTiming, MeasuredCopyTimesReachThePlanner) {
   EXPECT_EQ(withTransfer, 16);
 }
 
-// A communicator given a step timer marks every Work's wait() on it: the time rank 0
-// blocks for a late rank 1 is waiting; without a timer given, nothing is marked.
+// Tells a step timer of a communicator's waits, as the Trainer does.
+struct TimerWaits final : hddp::WaitObserver {
+  explicit TimerWaits(hddp::StepTimer& t) : timer(t) {}
+  void beginWait() override { timer.beginWait(); }
+  void endWait() override { timer.endWait(); }
+  hddp::StepTimer& timer;
+};
+
+// A communicator tells its wait observers of every Work's wait(): the time rank 0 blocks
+// for a late rank 1 is waiting on the observing timer; once the handle is removed,
+// nothing is marked.
 TEST(StepTiming, CommunicatorMarksEveryWaitOnItsTimer) {
   std::vector<hddp::StepTiming> timings(2);
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
     auto timer = hddp::makeHostStepTimer();
+    TimerWaits waits(*timer);
+    hddp::RemovableHandle handle = comm->addWaitObserver(waits);
     for (bool given : {true, false}) {
-      comm->setWaitTimer(given ? timer.get() : nullptr);
+      if (!given) {
+        handle.remove();
+      }
       timer->start({given ? 1 : 2, 1, 0});
       if (rank == 1) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -354,7 +367,6 @@ TEST(StepTiming, CommunicatorMarksEveryWaitOnItsTimer) {
         timings[given ? 0 : 1] = done[0];
       }
     }
-    comm->setWaitTimer(nullptr);
   });
   EXPECT_GE(timings[0].waitSeconds, 0.08);
   EXPECT_LT(timings[0].computeSeconds(), 0.05);

@@ -737,11 +737,13 @@ TEST(Trainer, ATimeBudgetEndsTheRunOnTimeOnEveryRankAndTheScheduleKnows) {
     torch::optim::SGD opt(model->parameters(), 0.01);
     hddp::TrainerOptions o;
     o.globalBatch = 32;
-    o.epochs = 50;  // 1000 steps: far more than the budget allows
+    o.epochs = 50;  // 950 steps: far more than the budget allows
     o.balance = false;
     o.progress = hddp::ProgressMode::Off;
     o.timeBudgetSeconds = 1.5;
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
+    // 19 steps per epoch: the budget's re-measurements (every 10 steps) fall inside
+    // epochs, where the last step's schedule call is told the final total.
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(608, 1, 8, 4);
     // Rank 1 takes 1 ms per sample, rank 0 half that: ~16 ms per step.
     auto forward = [&model, rank](const at::Tensor& x) {
       std::this_thread::sleep_for(std::chrono::microseconds((rank + 1) * 500 * x.size(0)));
@@ -777,32 +779,48 @@ TEST(Trainer, ATimeBudgetEndsTheRunOnTimeOnEveryRankAndTheScheduleKnows) {
 // once after step 10, whose schedule call had been told the epochs' 100 steps (in CI
 // the same slip showed as 51 against 50 when a re-measurement found no time left).
 TEST(Trainer, ABudgetSpentAtItsFirstMeasurementStillTellsTheScheduleTheLastStep) {
-  std::vector<hddp::TrainSummary> summaries(2);
-  std::vector<int64_t> lastTotal(2, 0);
-  std::vector<int64_t> lastStep(2, 0);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    Net model;
-    torch::optim::SGD opt(model->parameters(), 0.01);
-    hddp::TrainerOptions o;
-    o.globalBatch = 32;
-    o.epochs = 5;  // 100 steps
-    o.balance = false;
-    o.progress = hddp::ProgressMode::Off;
-    o.timeBudgetSeconds = 1e-6;  // spent before the first measurement
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
-    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
-                          ds, o);
-    trainer.setSchedule([&](const hddp::StepInfo& info, torch::optim::Optimizer&) {
-      lastTotal[rank] = info.totalSteps;
-      lastStep[rank] = info.step;
+  // 640 samples: 20 steps per epoch, the measurement (step 10) inside the epoch; 320: 10,
+  // the measurement at the epoch's end, where the run ends with the epoch (not one step
+  // into the next, with a second evaluation and a mid-epoch state).
+  for (const int64_t samples : {640, 320}) {
+    std::vector<hddp::TrainSummary> summaries(2);
+    std::vector<int64_t> lastTotal(2, 0);
+    std::vector<int64_t> lastStep(2, 0);
+    std::vector<int> evaluations(2, 0);
+    runThreads(2, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      Net model;
+      torch::optim::SGD opt(model->parameters(), 0.01);
+      hddp::TrainerOptions o;
+      o.globalBatch = 32;
+      o.epochs = 5;
+      o.balance = false;
+      o.progress = hddp::ProgressMode::Off;
+      o.timeBudgetSeconds = 1e-6;  // spent before the first measurement
+      auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(samples, 1, 8, 4);
+      hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(),
+                            opt, ds, o);
+      trainer.setSchedule([&](const hddp::StepInfo& info, torch::optim::Optimizer&) {
+        lastTotal[rank] = info.totalSteps;
+        lastStep[rank] = info.step;
+      });
+      trainer.setEvaluation([&](int64_t) -> std::map<std::string, double> {
+        ++evaluations[rank];
+        return {{"x", 1.0}};
+      });
+      summaries[rank] = trainer.fit();
     });
-    summaries[rank] = trainer.fit();
-  });
-  for (int r = 0; r < 2; ++r) {
-    EXPECT_LT(summaries[r].totalSteps, 100) << "the budget ended the run";
-    EXPECT_EQ(lastStep[r] + 1, summaries[r].totalSteps);
-    EXPECT_EQ(lastTotal[r], summaries[r].totalSteps) << "the last step's schedule saw another total";
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(lastStep[r] + 1, summaries[r].totalSteps) << samples;
+      EXPECT_EQ(evaluations[r], 1) << samples;
+      if (samples == 640) {
+        EXPECT_EQ(summaries[r].totalSteps, 11) << "one step after the measurement";
+        EXPECT_EQ(lastTotal[r], summaries[r].totalSteps)
+            << "the last step's schedule saw another total";
+      } else {
+        EXPECT_EQ(summaries[r].totalSteps, 10) << "the run ends with the epoch";
+      }
+    }
   }
 }
 

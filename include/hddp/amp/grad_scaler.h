@@ -53,6 +53,9 @@ struct GradScalerOptions {
   bool enabled = true;
 };
 
+/// Thread safety: used by one thread (the training loop). Ownership: keeps a pointer to
+/// the communicator (optional: null for a single rank, where no rank must agree on an
+/// overflow), which must outlive it.
 class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {}, Communicator* communicator = nullptr);

@@ -20,6 +20,9 @@
 #include <string>
 #include <vector>
 
+#include "hddp/balance/estimator.h"
+#include "hddp/core/step_timer.h"
+
 namespace hddp {
 
 struct EmulationOptions {
@@ -100,6 +103,18 @@ class Emulator {
   /// a slower card would not wait for the host's cores any longer, and stretching them
   /// made a slow rank's emulated time grow with the load of the ranks beside it.
   double apply(double computeSeconds, int64_t bytesMoved, double queuedSeconds = 0.0);
+
+  /// A step's timing as the planner should learn it: on the emulated card and link when
+  /// emulation is on (its extra time slept first, by apply(), so that the other ranks
+  /// wait for this one as for a slower card behind a slower link), else as measured.
+  struct Measured {
+    StepMeasurement measurement;  // for BatchPlanner::record
+    /// The step's compute as reported (metrics): the emulated link's time included.
+    double computeSeconds = 0;
+    /// The emulated extra time slept (0: none).
+    double emulatedSeconds = 0;
+  };
+  Measured measure(const StepTiming& timing);
   /// `seconds` of compute as the emulated card takes them (no sleep).
   double stretch(double seconds) const { return seconds * options_.slowdown; }
   /// Seconds `bytes` of input take over the emulated link (0 without one).

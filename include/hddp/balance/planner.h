@@ -79,6 +79,10 @@ struct PlannerOptions : PlannerSettings {
   int64_t globalBatch;
 };
 
+/// Thread safety: used by one thread (the training loop); record() and endStep() are
+/// collective-free except endStep()'s exchange every `rebalanceEvery` steps, which every
+/// rank reaches together. Ownership: keeps a reference to the communicator, which must
+/// outlive it.
 class BatchPlanner {
  public:
   /// Starts from `initial` costs (topology or calibration), or an equal split when empty.

@@ -21,11 +21,11 @@
 #include <vector>
 
 #include "hddp/comm/store.h"
+#include "hddp/comm/wait_observer.h"
 #include "hddp/comm/work.h"
 
 namespace hddp {
 
-class StepTimer;
 
 enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduceOpName(ReduceOp op) noexcept;
@@ -56,10 +56,36 @@ struct CommunicatorOptions {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
-struct AllreduceOptions {
+/// What every collective takes (as torchcomms' OptionsBase): a per-call timeout.
+struct CollectiveOptions {
+  /// This call's timeout; 0 (the default): the communicator's timeout(). A collective
+  /// that does not complete in time fails with hddp::TimeoutError or BackendError.
+  std::chrono::milliseconds timeout{0};
+};
+
+struct AllreduceOptions : CollectiveOptions {
+  AllreduceOptions() = default;
+  AllreduceOptions(ReduceOp reduceOp) : op(reduceOp) {}  // NOLINT: allreduce(t, {Max})
   ReduceOp op = ReduceOp::Sum;
 };
 
+struct BroadcastOptions : CollectiveOptions {
+  int root = 0;
+};
+
+struct AllgatherOptions : CollectiveOptions {};
+
+struct ReduceScatterOptions : CollectiveOptions {
+  ReduceOp op = ReduceOp::Sum;
+};
+
+struct BarrierOptions : CollectiveOptions {};
+
+/// Thread safety: collectives may be launched from several threads (launches are
+/// serialised per process; every rank must launch the same collectives in the same
+/// order); a Work is used by one thread at a time. Ownership: DDP, the Trainer, the
+/// planner and SyncBatchNorm keep a reference (GradScaler a pointer) to the
+/// communicator, which must outlive them.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -79,16 +105,28 @@ class Communicator {
   /// one flat buffer (one collective instead of one per tensor).
   virtual Work allreduceCoalesced(std::vector<at::Tensor>& tensors,
                                   const AllreduceOptions& options = {}) = 0;
-  /// Broadcasts `tensor` from `root` into every rank's `tensor` (same shape/dtype).
-  virtual Work broadcast(at::Tensor& tensor, int root = 0) = 0;
+  /// Broadcasts `tensor` from `options.root` into every rank's `tensor` (same
+  /// shape/dtype).
+  virtual Work broadcast(at::Tensor& tensor, const BroadcastOptions& options) = 0;
+  Work broadcast(at::Tensor& tensor, int root = 0) {
+    BroadcastOptions o;
+    o.root = root;
+    return broadcast(tensor, o);
+  }
   /// Gathers every rank's `input` into `outputs` (size() tensors of input's shape,
   /// allocated by the caller).
-  virtual Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) = 0;
+  virtual Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                         const AllgatherOptions& options = {}) = 0;
   /// Reduces `input` (size() * output.numel() elements, rank-major) across ranks and
   /// leaves rank r's slice in `output`.
   virtual Work reduceScatter(at::Tensor& output, const at::Tensor& input,
-                             ReduceOp op = ReduceOp::Sum) = 0;
-  virtual Work barrier() = 0;
+                             const ReduceScatterOptions& options) = 0;
+  Work reduceScatter(at::Tensor& output, const at::Tensor& input, ReduceOp op = ReduceOp::Sum) {
+    ReduceScatterOptions o;
+    o.op = op;
+    return reduceScatter(output, input, o);
+  }
+  virtual Work barrier(const BarrierOptions& options = {}) = 0;
 
   /// Blocks the host until the results of the collectives already waited on can be
   /// read on the host. Work::wait() on NCCL only orders the device stream after the
@@ -98,21 +136,25 @@ class Communicator {
   /// current stream.
   virtual void synchronize() {}
 
-  /// Every Work this communicator hands out from now on marks its wait() and
-  /// synchronize() as waiting on `timer` (StepTimer::beginWait/endWait; nullptr: none):
-  /// DDP's buckets, SyncBatchNorm's statistics, a user's own collective. The planner
-  /// then counts the time a rank blocks for the others as waiting, not compute, on Gloo
-  /// (the host blocks) and on NCCL (the stream waits; the device timer's events fall
-  /// around that wait). The timer must outlive the Works, or be reset first.
-  virtual void setWaitTimer(StepTimer* timer) { waitTimer_ = timer; }
-  StepTimer* waitTimer() const { return waitTimer_; }
+  /// Tells `observer` of every wait() and synchronize() of the Works this communicator
+  /// hands out (those already out too), until the returned handle is removed or
+  /// destroyed: DDP's buckets, SyncBatchNorm's statistics, a user's own collectives
+  /// (hddp/comm/wait_observer.h). The observer must outlive the handle; remove it while
+  /// no other thread waits on this communicator's Works.
+  [[nodiscard]] virtual RemovableHandle addWaitObserver(WaitObserver& observer);
 
   /// Gathers a variable-size byte blob from every rank (e.g. measured step times).
   /// Blocking: two collectives (sizes, then padded payloads).
   std::vector<std::vector<uint8_t>> allgatherBytes(const std::vector<uint8_t>& mine);
 
+ protected:
+  /// The observers a Work of this communicator tells of its waits (implementations
+  /// give it to each Work they make).
+  const std::shared_ptr<detail::WaitObservers>& waitObservers() const { return waitObservers_; }
+
  private:
-  StepTimer* waitTimer_ = nullptr;
+  std::shared_ptr<detail::WaitObservers> waitObservers_ =
+      std::make_shared<detail::WaitObservers>();
 };
 
 /// Creates the communicator of `rank` in a group of `size` ranks meeting at `store`.

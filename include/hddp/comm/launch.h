@@ -33,9 +33,13 @@ struct LaunchInfo {
   int localWorldSize = 1;
   std::string masterAddr = "127.0.0.1";
   int masterPort = 29500;
-  /// How often the launcher restarted the job: TORCHELASTIC_RESTART_COUNT (torchrun,
-  /// hddp-run), else SLURM_RESTART_COUNT (a requeued Slurm job); 0 when neither is set.
+  /// torchrun's attempt (TORCHELASTIC_RESTART_COUNT; hddp-run sets it): keys each
+  /// attempt's rendezvous in the store.
   int restartCount = 0;
+  /// How often the job was restarted: TORCHELASTIC_RESTART_COUNT, else
+  /// SLURM_RESTART_COUNT (a requeued Slurm job), the first that is positive, whatever
+  /// the launcher; 0 when neither is. The Trainer resumes from its save folder when > 0.
+  int jobRestarts = 0;
   /// hddp-run's slot in an elastic job (HDDP_SLOT; -1: none): the default device is
   /// cuda:<slot>, so a rank keeps its GPU whichever ranks are there. Else localRank.
   int slot = -1;
@@ -78,6 +82,12 @@ EnvMap processEnvironment();
 /// variable when values are missing or inconsistent (RANK >= WORLD_SIZE, no
 /// MASTER_ADDR with WORLD_SIZE > 1, ...).
 LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env);
+
+/// Only what the launcher says about the job, not who the rank is: jobRestarts, slot,
+/// elastic and elasticDir (the rest default). Never fails on the rank, world or address
+/// variables: the Trainer's default when TrainerOptions::launch is not given, for a
+/// program that built its communicator with explicit options.
+LaunchInfo detectJob(const EnvMap& env);
 
 /// First host of a Slurm node list: "gpu[01-04,07],login1" -> "gpu01".
 std::string firstSlurmHost(const std::string& nodelist);

@@ -14,6 +14,11 @@
 
 namespace hddp {
 
+/// One collective in flight. A value: movable, not copyable; it owns what the
+/// collective needs until completion (staging copies, the Avg division).
+/// Thread safety: one thread at a time may use a Work (wait, synchronize, query);
+/// onCompletion callbacks run on the backend's thread. It may outlive its
+/// communicator only once completed.
 class Work {
  public:
   /// No timeout beyond the communicator's own.

@@ -3,10 +3,10 @@
 //
 // A step is bracketed by start() and stop(); between them, beginWait()/endWait() mark
 // each span in which the rank waits for communication: every Work::wait() of a
-// communicator given the timer (Communicator::setWaitTimer: DDP's buckets,
-// SyncBatchNorm's statistics in forward and backward, a user's own collectives), DDP's
-// wait for all its buckets, the read of the step's status. Spans may nest; the
-// outermost counts. The compute time is the step's length minus those spans.
+// communicator that the timer observes (the Trainer registers it with
+// Communicator::addWaitObserver: DDP's buckets, SyncBatchNorm's statistics in forward
+// and backward, a user's own collectives), and the read of the step's status. Spans
+// may nest; the outermost counts. The compute time is the step's length minus those spans.
 //
 // The host timer reads the host clock at each mark: right for backends whose waits
 // block the host (Gloo). On a device, NCCL's Work::wait() only makes the stream wait

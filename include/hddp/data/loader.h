@@ -68,6 +68,10 @@ struct Batch {
   std::shared_ptr<c10::Event> copied;
 };
 
+/// Thread safety: one consumer thread calls next(), startEpoch(), resume(), setPlan()
+/// and state(); the loader's own worker threads build batches (Dataset::get must be
+/// safe to call from several threads at once). stop() (or destruction) joins the
+/// workers. Ownership: shares the dataset.
 class PrefetchLoader {
  public:
   PrefetchLoader(std::shared_ptr<const Dataset> dataset, int rank, LoaderOptions options = {});

@@ -107,13 +107,6 @@ struct DdpOptions {
   CommHook commHook;
 };
 
-/// One bucket's allreduce in a step, launch to completion (for timelines).
-struct BucketTiming {
-  std::chrono::steady_clock::time_point launched;
-  std::chrono::steady_clock::time_point completed;
-  int64_t bytes = 0;
-};
-
 /// What the last synchronized step did (for metrics, benchmarks and tests).
 struct DdpStepStats {
   int buckets = 0;
@@ -125,11 +118,16 @@ struct DdpStepStats {
   double waitSeconds = 0;
   /// Parameters that received no gradient (zeros were sent for them).
   int unusedParameters = 0;
-  /// Each bucket's allreduce, in launch order.
-  std::vector<BucketTiming> bucketTimes;
 };
 
-class StepTimer;
+namespace detail {
+struct DdpAccess;  // the Trainer's access to an abandoned step (internal)
+}  // namespace detail
+
+/// Thread safety: one thread drives it (setBatch, forward, backward, finalize,
+/// syncBuffers); the autograd engine's threads run its hooks during that thread's
+/// backward. Not for concurrent use from several threads. It keeps a reference to the
+/// communicator, which must outlive it.
 
 class DistributedDataParallel {
  public:
@@ -172,19 +170,6 @@ class DistributedDataParallel {
   /// step before finalize().
   void finalize();
 
-  /// For a rank that cannot finish its forward or backward in this step (it ran out of
-  /// memory): sends zeros for the gradients it has not sent and marks the step as
-  /// abandoned, so the step's collectives complete on every rank. Call it after the
-  /// failed forward/backward, instead of finalize(). Returns false when it came too
-  /// late (every gradient was already sent); the step then stands as it is.
-  bool abandonStep();
-  /// True on every rank when some rank abandoned the last synchronized step: its
-  /// gradients are then incomplete and the optimizer step must be skipped (the Trainer
-  /// repeats the step under a smaller share). The status travels in the last bucket's
-  /// allreduce (one extra element), so this costs no extra collective; reading it waits
-  /// for the device.
-  bool lastStepAbandoned();
-
   /// Sets the buffers to their sample-weighted mean over ranks now: each rank weighs
   /// its values by the local/global shares it set since the last synchronisation, so a
   /// rank that trained on nothing (whose running statistics never moved) sets nothing
@@ -196,12 +181,6 @@ class DistributedDataParallel {
   /// values are kept everywhere. One allreduce (float64) per call; blocks.
   /// (BufferSync::BeforeForward: call it before each forward.)
   void syncBuffers();
-
-  /// Marks finalize()'s wait for the buckets as a communication wait on `timer`
-  /// (beginWait() before the first Work::wait(), endWait() after the last), so the
-  /// step's compute time leaves it out, on the host or on the device stream. Null (the
-  /// default) marks nothing. The timer must outlive this object or be reset to null.
-  void setStepTimer(StepTimer* timer);
 
   torch::nn::Module& module();
   const std::shared_ptr<torch::nn::Module>& modulePtr() const;
@@ -215,6 +194,7 @@ class DistributedDataParallel {
   class Impl;
 
  private:
+  friend struct detail::DdpAccess;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -120,13 +120,13 @@ struct TrainerOptions {
   /// Resume from a state file, or from the newest valid one in a directory; "" = start
   /// fresh. Default "".
   std::string resume;
-  /// When the launcher restarted this program (LaunchInfo::restartCount > 0, as
+  /// When the launcher restarted this program (LaunchInfo::jobRestarts > 0, as
   /// hddp-run --max-restarts, torchrun and a requeued Slurm job set it) and `resume` is
   /// empty, resume from the newest valid state in saveDir (starting fresh when it holds
   /// none). Default true.
   bool resumeOnRestart = true;
-  /// What the launcher said about this process: its restart count, and an elastic job's
-  /// slot and commit folder. Default: detectLaunch() of the environment; give
+  /// What the launcher said about this process: the job's restarts, and an elastic
+  /// job's slot and commit folder. Default: detectJob() of the environment; give
   /// DistributedContext::info (initFromEnv) to say it once.
   std::optional<LaunchInfo> launch;
   /// Memory caps given per rank: the most samples rank r may get in a step (0 = no
@@ -187,6 +187,10 @@ struct TrainSummary {
   std::string lastStateFile;
 };
 
+/// Thread safety: one thread drives a Trainer (construction, fit, save, load, the
+/// accessors); its schedule and evaluation callbacks run on that thread, and it runs
+/// its own loader threads. Ownership: it keeps references to the communicator and the
+/// optimizer, which must outlive it, and shares the model and datasets.
 class Trainer {
  public:
   using ForwardFn = std::function<at::Tensor(const at::Tensor& input)>;

@@ -1,0 +1,40 @@
+// What the Trainer uses of DistributedDataParallel beyond its public API (internal to
+// libhddp): giving up a step after running out of memory, reading whether some rank did,
+// and the buckets' allreduce times for the timeline.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "hddp/ddp/distributed_data_parallel.h"
+
+namespace hddp {
+
+/// One bucket's allreduce in a step, launch to completion (for timelines).
+struct BucketTiming {
+  std::chrono::steady_clock::time_point launched;
+  std::chrono::steady_clock::time_point completed;
+  int64_t bytes = 0;
+};
+
+namespace detail {
+
+struct DdpAccess {
+  /// For a rank that cannot finish its forward or backward in this step (it ran out of
+  /// memory): sends zeros for the gradients it has not sent and marks the step as
+  /// abandoned, so the step's collectives complete on every rank. Call it after the
+  /// failed forward/backward, instead of finalize(). Returns false when it came too
+  /// late (every gradient was already sent); the step then stands as it is.
+  static bool abandonStep(DistributedDataParallel& ddp);
+  /// True on every rank when some rank abandoned the last synchronized step: its
+  /// gradients are then incomplete and the optimizer step must be skipped. The status
+  /// travels in the last bucket's allreduce (one extra element), so this costs no extra
+  /// collective; reading it waits for the device.
+  static bool lastStepAbandoned(DistributedDataParallel& ddp);
+  /// Each bucket's allreduce in the last synchronized step, in launch order.
+  static const std::vector<BucketTiming>& bucketTimes(const DistributedDataParallel& ddp);
+};
+
+}  // namespace detail
+}  // namespace hddp

@@ -1,0 +1,126 @@
+// DistributedDataParallel::Impl (ddp/ddp_impl.h): construction, the model checks and
+// the removal of the hooks.
+#include <torch/csrc/autograd/variable.h>
+
+#include <unordered_map>
+
+#include "ddp/bucketing.h"
+#include "ddp/coalesced.h"
+#include "ddp/ddp_impl.h"
+#include "ddp/ready_hook.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+namespace hddp {
+
+DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, Communicator& comm,
+                                    DdpOptions options)
+    : module_(std::move(module)), comm_(comm), options_(std::move(options)) {
+  HDDP_CHECK(module_, "DistributedDataParallel needs a module, got a null pointer");
+  HDDP_CHECK(options_.firstBucketBytes > 0 && options_.bucketCapBytes > 0,
+             "DdpOptions bucket sizes must be positive, got firstBucketBytes=",
+             options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
+  HDDP_CHECK(options_.bufferSyncInterval >= 1,
+             "DdpOptions::bufferSyncInterval must be >= 1, got ", options_.bufferSyncInterval);
+  HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
+                "DdpOptions: set either compression or commHook, not both (compression is "
+                "a shorthand for commHook = compressedAllreduceHook(...))");
+  hook_ = options_.commHook ? options_.commHook
+          : options_.compression == GradCompression::None
+              ? allreduceHook()
+              : compressedAllreduceHook(
+                    options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
+  std::unordered_map<const void*, std::string> seen;  // tied parameters: counted once
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const void* identity = item.value().unsafeGetTensorImpl();
+    const auto known = seen.find(identity);
+    if (known != seen.end()) {
+      HDDP_LOG_DEBUG("ddp", "'", item.key(), "' is the same tensor as '", known->second,
+                     "' (tied): synchronized once");
+      continue;
+    }
+    seen.emplace(identity, item.key());
+    if (item.value().requires_grad()) {
+      Param p;
+      p.tensor = item.value();
+      p.name = item.key();
+      params_.push_back(std::move(p));
+    } else {
+      frozen_.push_back(item.value());
+      frozenNames_.push_back(item.key());
+    }
+  }
+  for (const auto& item : module_->named_buffers(/*recurse=*/true)) {
+    buffers_.push_back(item.value());
+    bufferNames_.push_back(item.key());
+  }
+  weight_ = 1.0 / comm_.size();
+  ddp::checkOneDevice(named(Naming::Bare));
+  ddp::checkModelsAgree(comm_, named(Naming::WithKinds));
+  if (options_.broadcastOnConstruction && comm_.size() > 1) {
+    std::vector<at::Tensor> all;
+    for (const auto& p : params_) {
+      all.push_back(p.tensor);
+    }
+    all.insert(all.end(), frozen_.begin(), frozen_.end());
+    all.insert(all.end(), buffers_.begin(), buffers_.end());
+    detail::broadcastCoalesced(comm_, all, 0);
+  }
+  std::vector<int> order;
+  for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {
+    order.push_back(i);
+  }
+  buildBuckets(order);
+  registerHooks();
+  HDDP_LOG_SHARED("ddp", comm_.rank(), "wrapping ", params_.size(), " parameters (",
+                  frozen_.size(), " frozen) and ", buffers_.size(), " buffers in ",
+                  buckets_.size(), " bucket(s); rank ", comm_.rank(), "/", comm_.size());
+}
+
+DistributedDataParallel::Impl::~Impl() {
+  for (auto& p : params_) {
+    try {
+      auto& hook = torch::autograd::impl::post_acc_grad_hooks(p.tensor);
+      if (auto* ours = dynamic_cast<ddp::ReadyHook*>(hook.get())) {
+        hook = ours->takePrevious();
+      }
+      p.tensor.remove_hook(p.preHookIndex);
+    } catch (const std::exception& e) {
+      HDDP_LOG_WARN("ddp", "removing the hooks of '", p.name, "': ", e.what());
+    }
+  }
+}
+
+
+std::vector<std::pair<std::string, at::Tensor>> DistributedDataParallel::Impl::named(Naming naming) const {
+  const bool kinds = naming == Naming::WithKinds;
+  const bool withBuffers = kinds;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  auto add = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+    out.emplace_back(kinds ? std::string(kind) + " " + name : name, t);
+  };
+  for (const auto& p : params_) {
+    add("param", p.name, p.tensor);
+  }
+  for (size_t i = 0; i < frozen_.size(); ++i) {
+    add("frozen", frozenNames_[i], frozen_[i]);
+  }
+  for (size_t i = 0; withBuffers && i < buffers_.size(); ++i) {
+    add("buffer", bufferNames_[i], buffers_[i]);
+  }
+  return out;
+}
+
+std::vector<std::vector<std::string>> DistributedDataParallel::Impl::layout() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& b : buckets_) {
+    out.emplace_back();
+    for (int index : b.params) {
+      out.back().push_back(params_[index].name);
+    }
+  }
+  return out;
+}
+
+
+}  // namespace hddp

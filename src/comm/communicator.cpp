@@ -238,8 +238,7 @@ class C10dCommunicator final : public Communicator {
                "reduceScatter: input and output must share dtype and device");
     if (needsStaging(output)) {
       at::Tensor host = at::empty(output.sizes(), output.options().device(c10::kCPU));
-      return copiedBackOnCompletion(reduceScatter(host, toHost(input), options), {host},
-                                    {output});
+      return copiedBackOnCompletion(reduceScatter(host, toHost(input), options), {host}, {output});
     }
     const std::string what = c10::str("reduceScatter(", reduceOpName(op), ") of ",
                                       describeTensors({input}), rankSuffix());

@@ -4,8 +4,8 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "hddp/comm/work.h"
 #include "hddp/comm/wait_observer.h"
+#include "hddp/comm/work.h"
 
 namespace hddp {
 

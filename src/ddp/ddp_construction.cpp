@@ -20,8 +20,8 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
   HDDP_CHECK(options_.firstBucketBytes > 0 && options_.bucketCapBytes > 0,
              "DdpOptions bucket sizes must be positive, got firstBucketBytes=",
              options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
-  HDDP_CHECK(options_.bufferSyncInterval >= 1,
-             "DdpOptions::bufferSyncInterval must be >= 1, got ", options_.bufferSyncInterval);
+  HDDP_CHECK(options_.bufferSyncInterval >= 1, "DdpOptions::bufferSyncInterval must be >= 1, got ",
+             options_.bufferSyncInterval);
   HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
                 "DdpOptions: set either compression or commHook, not both (compression is "
                 "a shorthand for commHook = compressedAllreduceHook(...))");
@@ -72,9 +72,9 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
   }
   buildBuckets(order);
   registerHooks();
-  HDDP_LOG_SHARED("ddp", comm_.rank(), "wrapping ", params_.size(), " parameters (",
-                  frozen_.size(), " frozen) and ", buffers_.size(), " buffers in ",
-                  buckets_.size(), " bucket(s); rank ", comm_.rank(), "/", comm_.size());
+  HDDP_LOG_SHARED("ddp", comm_.rank(), "wrapping ", params_.size(), " parameters (", frozen_.size(),
+                  " frozen) and ", buffers_.size(), " buffers in ", buckets_.size(),
+                  " bucket(s); rank ", comm_.rank(), "/", comm_.size());
 }
 
 DistributedDataParallel::Impl::~Impl() {
@@ -91,8 +91,8 @@ DistributedDataParallel::Impl::~Impl() {
   }
 }
 
-
-std::vector<std::pair<std::string, at::Tensor>> DistributedDataParallel::Impl::named(Naming naming) const {
+std::vector<std::pair<std::string, at::Tensor>> DistributedDataParallel::Impl::named(
+    Naming naming) const {
   const bool kinds = naming == Naming::WithKinds;
   const bool withBuffers = kinds;
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -121,6 +121,5 @@ std::vector<std::vector<std::string>> DistributedDataParallel::Impl::layout() co
   }
   return out;
 }
-
 
 }  // namespace hddp

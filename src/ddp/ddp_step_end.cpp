@@ -175,7 +175,6 @@ void DistributedDataParallel::Impl::syncBuffers() {
   batchSet_ = false;
 }
 
-
 void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) {
   std::vector<at::Tensor> tensors;
   for (const auto& p : params_) {

@@ -12,9 +12,9 @@
 #include <sstream>
 
 #include "emu/guard.h"
-#include "hddp/emu/emu.h"
 #include "emu/ordering.h"
 #include "emu/runtime.h"
+#include "hddp/emu/emu.h"
 
 namespace hddp {
 namespace emu {
@@ -65,8 +65,8 @@ void checkOwnDevice(c10::DeviceIndex device, size_t bytes) {
   }
   std::ostringstream out;
   out << "hddp::emu: this process computes on emu:" << own
-      << " (hddp::emu::setOwnDevice) but allocated " << bytes << " bytes on emu:"
-      << static_cast<int>(device)
+      << " (hddp::emu::setOwnDevice) but allocated " << bytes
+      << " bytes on emu:" << static_cast<int>(device)
       << ", the allocating thread's current device: make the rank's device current "
          "(c10::DeviceGuard, or once per thread as torch.cuda.set_device does) or give the "
          "tensor a device with an index. Allocated at:\n"

@@ -1,5 +1,6 @@
 #include "train/elastic.h"
 
+#include <ATen/ATen.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
@@ -12,8 +13,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
-
-#include <ATen/ATen.h>
 
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
@@ -154,18 +153,16 @@ void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
   if (rank == 0) {
     jobRecord_.open(dir(), restarts());
     const int64_t repeated = restarted ? std::max<int64_t>(0, reached - step) : 0;
-    jobRecord_.add(restarted ? "resumed" : "started", {{"step", step},
-                                                       {"repeated", repeated},
-                                                       {"ranks", worldSize},
-                                                       {"commits", saveDir}});
+    jobRecord_.add(
+        restarted ? "resumed" : "started",
+        {{"step", step}, {"repeated", repeated}, {"ranks", worldSize}, {"commits", saveDir}});
   }
   if (restarted && reached > step) {
     HDDP_LOG_SHARED("train", rank, "elastic: steps ", step + 1, "..", reached,
                     " were trained before the group re-formed and are trained again (",
                     reached - step, " steps)");
   } else if (restarted) {
-    HDDP_LOG_SHARED("train", rank, "elastic: resumed at step ", step,
-                    "; no step is trained again");
+    HDDP_LOG_SHARED("train", rank, "elastic: resumed at step ", step, "; no step is trained again");
   }
   progressMark_.open(saveDir, slot());
 }
@@ -207,7 +204,7 @@ void ElasticRun::committed(Communicator& comm, int64_t step, const std::string& 
   if (t[0].item<double>() > 0) {
     HDDP_LOG_SHARED("train", comm.rank(), "elastic: committed step ", step, " to ", file,
                     "; leaving for the group to re-form (exit code ", kReformExitCode, ")");
-    std::fflush(nullptr);          // log lines and metrics are written through at once
+    std::fflush(nullptr);         // log lines and metrics are written through at once
     std::_Exit(kReformExitCode);  // loader threads may be mid-batch: no unwinding
   }
 }

@@ -63,8 +63,9 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
 void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
                              TrainSummary& summary) {
   // The epoch's mean training loss over every rank's samples.
-  at::Tensor sums = at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
-                        .to(comm_.device());
+  at::Tensor sums =
+      at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
+          .to(comm_.device());
   comm_.allreduce(sums).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   sums = sums.cpu();

@@ -87,8 +87,9 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
       c10::getDeviceAllocator(device_.type())->emptyCache();
     }
     const std::string what = e.what_without_backtrace();
-    HDDP_CHECK(detail::DdpAccess::abandonStep(*ddp_), "rank ", comm_.rank(), " ran out of memory after its ",
-               "gradients were sent (", what, "); this cannot be retried");
+    HDDP_CHECK(detail::DdpAccess::abandonStep(*ddp_), "rank ", comm_.rank(),
+               " ran out of memory after its ", "gradients were sent (", what,
+               "); this cannot be retried");
     return what;
   }
   return "";

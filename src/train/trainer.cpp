@@ -225,11 +225,10 @@ TrainSummary Trainer::Impl::fit() {
   const int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
   resumeForFit();
   elastic_.started(comm_.rank(), comm_.size(), step_, reached, options_.saveDir);
-  reporter_ = train::Reporter(options_.metricsPath, comm_.rank(),
-                              /*append=*/run_.resumed || elastic_.restarts() > 0,
-                              options_.progress != ProgressMode::Off,
-                              options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO),
-                              options_.logEvery);
+  reporter_ = train::Reporter(
+      options_.metricsPath, comm_.rank(),
+      /*append=*/run_.resumed || elastic_.restarts() > 0, options_.progress != ProgressMode::Off,
+      options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
   reporter_.config(runConfig());
   barrier();  // a common time zero for the timeline
   timeline_.setOrigin(Clock::now());

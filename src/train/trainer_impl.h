@@ -130,10 +130,10 @@ class Trainer::Impl {
   struct RunState {
     Clock::time_point start;
     int64_t startStep = 0;
-    bool stoppedEarly = false;  // maxSteps or the time budget ended it inside the epochs
-    bool resumed = false;       // it started from a state file
-    bool restarted = false;     // load() runs for a launcher's restart of this job
-    int64_t lastSaved = -1;     // the step of the newest state file
+    bool stoppedEarly = false;          // maxSteps or the time budget ended it inside the epochs
+    bool resumed = false;               // it started from a state file
+    bool restarted = false;             // load() runs for a launcher's restart of this job
+    int64_t lastSaved = -1;             // the step of the newest state file
     Clock::time_point lastSaveStart{};  // when that save began
     int64_t repeatedSteps = 0;          // abandoned (out of memory) and trained again
     double peakMemory = 0;              // MemoryReading::peak() over the run
@@ -153,21 +153,21 @@ class Trainer::Impl {
 
   /// What the step just run left for its report and the next step.
   struct LastStep {
-    at::Tensor loss;                // undefined without samples
-    bool newPlan = false;           // the planner changed the plan at the step's end
-    train::MemoryReading memory;    // valid after a step with samples
-    double transferSeconds = 0;     // the newest measured input transfer (0: none)
-    double emulatedSeconds = 0;     // the emulator's sleep after the step (0: none)
+    at::Tensor loss;              // undefined without samples
+    bool newPlan = false;         // the planner changed the plan at the step's end
+    train::MemoryReading memory;  // valid after a step with samples
+    double transferSeconds = 0;   // the newest measured input transfer (0: none)
+    double emulatedSeconds = 0;   // the emulator's sleep after the step (0: none)
   } lastStep_;
 
   /// The time budget (TrainerOptions::timeBudgetSeconds), the job's: a launcher's
   /// restart carries it on.
   struct TimeBudget {
-    int64_t endStep = 0;            // the step at which it ends the run (0: not measured)
-    int64_t startStep = 0;          // the step it started at
-    double secondsBefore = 0;       // training seconds before this fit() (a restart)
-    double evaluationSeconds = 0;   // spent evaluating, left out of the budget
-    bool carry = false;             // load() takes the saved budget (a launcher's restart)
+    int64_t endStep = 0;           // the step at which it ends the run (0: not measured)
+    int64_t startStep = 0;         // the step it started at
+    double secondsBefore = 0;      // training seconds before this fit() (a restart)
+    double evaluationSeconds = 0;  // spent evaluating, left out of the budget
+    bool carry = false;            // load() takes the saved budget (a launcher's restart)
   } budget_;
 
   /// Steps planned in all (StepInfo::totalSteps).

@@ -15,8 +15,8 @@
 namespace hddp {
 
 train::StateParts Trainer::Impl::stateParts() {
-  return train::StateParts{comm_,    device_, *model_, optimizer_, *scaler_, planner_.get(),
-                           elastic_.slot()};
+  return train::StateParts{comm_,    device_,        *model_,        optimizer_,
+                           *scaler_, planner_.get(), elastic_.slot()};
 }
 
 std::string Trainer::Impl::save() {
@@ -32,8 +32,9 @@ std::string Trainer::Impl::save() {
   meta.globalBatch = options_.globalBatch;
   if (thisEpoch_.midEpoch) {
     // The epoch's loss so far over every rank's samples (each rank holds its own).
-    at::Tensor sums = at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
-                          .to(comm_.device());
+    at::Tensor sums =
+        at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
+            .to(comm_.device());
     comm_.allreduce(sums).wait();
     comm_.synchronize();  // the host reads it next (Communicator::synchronize)
     sums = sums.cpu();
@@ -43,8 +44,8 @@ std::string Trainer::Impl::save() {
   }
   meta.progress.budgetSeconds =
       budget_.secondsBefore + (run_.start == Clock::time_point{}
-                                  ? 0.0
-                                  : std::chrono::duration<double>(t0 - run_.start).count());
+                                   ? 0.0
+                                   : std::chrono::duration<double>(t0 - run_.start).count());
   meta.progress.budgetEvaluationSeconds = budget_.evaluationSeconds;
   meta.progress.budgetStartStep = budget_.startStep;
   meta.progress.budgetSteps = budget_.endStep;
@@ -112,8 +113,9 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
   }
   HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", loaded.path, " at step ", step_,
                   ", epoch ", epoch_,
-                  thisEpoch_.midEpoch ? " (mid-epoch, sample " + std::to_string(thisEpoch_.sampler.position) + ")"
-                            : std::string());
+                  thisEpoch_.midEpoch
+                      ? " (mid-epoch, sample " + std::to_string(thisEpoch_.sampler.position) + ")"
+                      : std::string());
 }
 
 }  // namespace hddp

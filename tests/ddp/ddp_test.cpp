@@ -8,9 +8,9 @@
 #include <numeric>
 #include <random>
 
+#include "ddp/ddp_access.h"  // the Trainer's access to an abandoned step
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
-#include "ddp/ddp_access.h"  // the Trainer's access to an abandoned step
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "support/ranks.h"
 

@@ -160,7 +160,8 @@ TEST_F(EmuAllocator, AnAllocationOffTheOwnDeviceIsAViolationNamingWhereItWasMade
     c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1)->setDevice(emuDevice(0));
     EXPECT_EQ(torch::ones({2}, emuDevice(1)).sum().item<float>(), 2.0f);  // on emu:1: fine
     EXPECT_TRUE(violations().empty());
-    const auto stray = torch::empty({3}, torch::TensorOptions().device(c10::DeviceType::PrivateUse1));
+    const auto stray =
+        torch::empty({3}, torch::TensorOptions().device(c10::DeviceType::PrivateUse1));
     EXPECT_EQ(stray.device(), emuDevice(0));
   }).join();
   setOwnDevice(-1);

@@ -124,12 +124,13 @@ TEST_F(EmuTraining, ARankOnEmu1NeverAllocatesOnTheCurrentDevice) {
   auto* allocator = c10::getDeviceAllocator(c10::DeviceType::PrivateUse1);
   auto allocationsOn0 = [&] { return allocator->getDeviceStats(0).num_device_alloc; };
   torch::manual_seed(13);
-  auto net = torch::nn::Sequential(
-      torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)), torch::nn::BatchNorm2d(4),
-      torch::nn::ReLU(), torch::nn::MaxPool2d(2),
-      torch::nn::Upsample(
-          torch::nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest)),
-      torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(4, 3, 1)));
+  auto net =
+      torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1)),
+                            torch::nn::BatchNorm2d(4), torch::nn::ReLU(), torch::nn::MaxPool2d(2),
+                            torch::nn::Upsample(torch::nn::UpsampleOptions()
+                                                    .scale_factor(std::vector<double>{2, 2})
+                                                    .mode(torch::kNearest)),
+                            torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(4, 3, 1)));
   const c10::Device device = emuDevice(1);
   const auto before = allocationsOn0();
   std::thread rank([&] {
@@ -155,14 +156,15 @@ TEST_F(EmuTraining, ARankOnEmu1NeverAllocatesOnTheCurrentDevice) {
       auto t = y.flatten().unsqueeze(0).eq(ids);
       auto perClass = torch::stack({p.logical_and(t).sum(1), p.sum(1), t.sum(1)}, 1);
       auto sums = torch::cat(
-          {torch::stack({torch::nn::functional::cross_entropy(
-                             logits, y,
-                             torch::nn::functional::CrossEntropyFuncOptions().reduction(
-                                 torch::kSum)),
-                         torch::scalar_tensor(static_cast<double>(y.numel()), logits.options()),
-                         pred.eq(y).sum().to(at::kFloat)}),
+          {torch::stack(
+               {torch::nn::functional::cross_entropy(
+                    logits, y,
+                    torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum)),
+                torch::scalar_tensor(static_cast<double>(y.numel()), logits.options()),
+                pred.eq(y).sum().to(at::kFloat)}),
            perClass.flatten().to(at::kFloat)});
-      auto total = torch::zeros({3 + 3 * k}, torch::TensorOptions().dtype(at::kDouble).device(device));
+      auto total =
+          torch::zeros({3 + 3 * k}, torch::TensorOptions().dtype(at::kDouble).device(device));
       total += sums.to(at::kDouble);
       total.div_(2);
       EXPECT_EQ(total.device(), device);

@@ -1,11 +1,10 @@
 // A rank computes on its own device, whatever device its communicator stages tensors on
 // (issue #33): the Trainer on an emulated accelerator (hddp::emu) next to a CPU rank,
 // under Gloo, trains to the all-CPU run's parameters; Gloo stages device tensors.
-#include <gtest/gtest.h>
-#include <torch/torch.h>
-
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <map>
 #include <mutex>
@@ -157,7 +156,8 @@ TEST(Trainer, TheRanksDeviceIsCurrentWhileTheTrainerWorks_Emu) {
     std::vector<c10::Device> seen;
     trainer.setEvaluation([&](int64_t) -> std::map<std::string, double> {
       seen.push_back(guard->getDevice());
-      seen.push_back(at::zeros({3}, at::TensorOptions().device(c10::DeviceType::PrivateUse1)).device());
+      seen.push_back(
+          at::zeros({3}, at::TensorOptions().device(c10::DeviceType::PrivateUse1)).device());
       return {};
     });
     trainer.fit();

@@ -798,8 +798,8 @@ TEST(Trainer, ABudgetSpentAtItsFirstMeasurementStillTellsTheScheduleTheLastStep)
       o.progress = hddp::ProgressMode::Off;
       o.timeBudgetSeconds = 1e-6;  // spent before the first measurement
       auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(samples, 1, 8, 4);
-      hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(),
-                            opt, ds, o);
+      hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
+                            ds, o);
       trainer.setSchedule([&](const hddp::StepInfo& info, torch::optim::Optimizer&) {
         lastTotal[rank] = info.totalSteps;
         lastStep[rank] = info.step;

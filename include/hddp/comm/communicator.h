@@ -26,7 +26,6 @@
 
 namespace hddp {
 
-
 enum class ReduceOp { Sum, Avg, Max, Min };
 const char* reduceOpName(ReduceOp op) noexcept;
 
@@ -153,8 +152,7 @@ class Communicator {
   const std::shared_ptr<detail::WaitObservers>& waitObservers() const { return waitObservers_; }
 
  private:
-  std::shared_ptr<detail::WaitObservers> waitObservers_ =
-      std::make_shared<detail::WaitObservers>();
+  std::shared_ptr<detail::WaitObservers> waitObservers_ = std::make_shared<detail::WaitObservers>();
 };
 
 /// Creates the communicator of `rank` in a group of `size` ranks meeting at `store`.

@@ -135,11 +135,20 @@ foreach(layer IN LISTS LAYERS)
 endforeach()
 
 # ---- programs outside the library: the public API only, and no other program's files ----
-# A program group (tools, examples, bench) includes its own files, the shared homes and
-# the library's public headers; a header found only in another group's folder is that
-# program's own.
+# A program group (each tool under tools/, the examples, the benchmarks) includes its own
+# files, the shared homes and the library's public headers; a header found only in
+# another group's folder is that program's own. The examples share examples/common, the
+# benchmarks bench/'s own files, so each of those folders is one group.
 set(SHARED_HOMES models cli protocol)
-set(PROGRAM_GROUPS tools examples bench)
+set(PROGRAM_GROUPS "")
+file(GLOB tool_dirs LIST_DIRECTORIES true "${SOURCE_DIR}/tools/*")
+foreach(dir IN LISTS tool_dirs)
+  if(IS_DIRECTORY "${dir}")
+    get_filename_component(tool "${dir}" NAME)
+    list(APPEND PROGRAM_GROUPS "tools/${tool}")
+  endif()
+endforeach()
+list(APPEND PROGRAM_GROUPS examples bench)
 foreach(group IN LISTS PROGRAM_GROUPS)
   file(GLOB_RECURSE files "${SOURCE_DIR}/${group}/*.h" "${SOURCE_DIR}/${group}/*.cpp")
   foreach(file IN LISTS files)

@@ -1,0 +1,2 @@
+// A fixture: a tool's own header.
+#pragma once

@@ -32,6 +32,7 @@
 #include "hddp/data/distributed_sampler.h"
 #include "hddp/data/loader.h"
 #include "hddp/ddp/comm_hooks.h"
+#include "hddp/ddp/power_sgd.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"

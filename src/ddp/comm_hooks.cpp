@@ -6,6 +6,18 @@
 
 namespace hddp {
 
+std::vector<at::Tensor> GradBucket::gradients() const {
+  HDDP_CHECK(parameters.size() == offsets.size(), "GradBucket: ", parameters.size(),
+             " parameters but ", offsets.size(), " offsets");
+  std::vector<at::Tensor> views;
+  views.reserve(parameters.size());
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    views.push_back(
+        buffer.narrow(0, offsets[i], parameters[i].numel()).view(parameters[i].sizes()));
+  }
+  return views;
+}
+
 CommHook allreduceHook() {
   return [](Communicator& communicator, GradBucket& bucket) {
     return CommHookResult{communicator.allreduce(bucket.buffer), nullptr};

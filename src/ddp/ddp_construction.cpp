@@ -25,6 +25,7 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
   HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
                 "DdpOptions: set either compression or commHook, not both (compression is "
                 "a shorthand for commHook = compressedAllreduceHook(...))");
+  hookSumsWholeBuffer_ = !options_.commHook;
   hook_ = options_.commHook ? options_.commHook
           : options_.compression == GradCompression::None
               ? allreduceHook()

@@ -167,10 +167,27 @@ void DistributedDataParallel::Impl::launchReadyBuckets(bool duringBackward) {
   while (nextBucket_ < static_cast<int>(buckets_.size()) && buckets_[nextBucket_].pending == 0) {
     Bucket& b = buckets_[nextBucket_];
     b.launchedAt = ddp::Clock::now();
-    GradBucket bucket{nextBucket_, b.flat};
+    const bool isLast = nextBucket_ + 1 == static_cast<int>(buckets_.size());
+    GradBucket bucket;
+    bucket.index = nextBucket_;
+    bucket.isLast = isLast;
+    int64_t gradientElements = 0;
+    for (int index : b.params) {
+      bucket.parameters.push_back(params_[index].tensor);
+      bucket.offsets.push_back(params_[index].offset);
+      gradientElements += params_[index].tensor.numel();
+    }
+    // A user's hook sees the gradients only; the status slot (last bucket) is summed
+    // separately below.
+    bucket.buffer = hookSumsWholeBuffer_ ? b.flat : b.flat.narrow(0, 0, gradientElements);
     CommHookResult sent = hook_(comm_, bucket);
     b.work = std::move(sent.work);
     b.finish = std::move(sent.finish);
+    b.then = std::move(sent.then);
+    if (isLast && !hookSumsWholeBuffer_) {
+      statusWire_ = statusSlot().clone();
+      statusWork_ = comm_.allreduce(statusWire_);
+    }
     b.work.onCompletion(
         [done = b.completedAtNs] { done->store(ddp::Clock::now().time_since_epoch().count()); });
     b.launched = true;

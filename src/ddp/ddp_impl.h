@@ -51,6 +51,7 @@ class DistributedDataParallel::Impl {
     std::vector<int> params;
     at::Tensor flat;
     std::function<void()> finish;  // the comm hook's, run after `work` completed
+    CommHookThen then;             // the comm hook's second round, if any
     int pending = 0;
     bool launched = false;
     Work work;
@@ -125,6 +126,13 @@ class DistributedDataParallel::Impl {
   Communicator& comm_;
   DdpOptions options_;
   CommHook hook_;  // what is sent for each bucket
+  // hook_ is one of hddp's elementwise sums (allreduce, fp16/bf16), built from
+  // DdpOptions::compression: it is handed the whole flat buffer, the status slot
+  // included. A user's hook gets the gradients only, and the status is summed by a
+  // one-element allreduce of its own (statusWire_), launched right after the last bucket.
+  bool hookSumsWholeBuffer_ = false;
+  at::Tensor statusWire_;
+  Work statusWork_;
   std::vector<Param> params_;
   std::vector<at::Tensor> frozen_;
   std::vector<std::string> frozenNames_;

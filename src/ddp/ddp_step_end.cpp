@@ -43,13 +43,46 @@ void DistributedDataParallel::Impl::finalize() {
   stats_.unusedParameters = static_cast<int>(unused.size());
   const auto waitStart = Clock::now();
   std::exception_ptr failure;
-  for (auto& b : buckets_) {
+  auto waitFor = [&failure](Work& work) {
     try {
-      b.work.wait();
+      work.wait();
     } catch (...) {
       if (!failure) {
         failure = std::current_exception();
       }
+    }
+  };
+  for (auto& b : buckets_) {
+    waitFor(b.work);
+  }
+  waitFor(statusWork_);
+  statusWork_ = Work();
+  // A hook's second round (PowerSGD's Q): started in bucket order on every rank once
+  // every first round completed, then waited for. A rank whose first round failed
+  // starts none (its peers then fail on their timeouts, as for any lost collective).
+  std::vector<std::function<void()>> secondFinish(buckets_.size());
+  if (!failure) {
+    std::vector<Work> second;
+    for (size_t i = 0; i < buckets_.size() && !failure; ++i) {
+      Bucket& b = buckets_[i];
+      if (!b.then) {
+        continue;
+      }
+      try {
+        CommHookResult more = b.then();
+        HDDP_CHECK(!more.then, "a comm hook's second round (`then`) returned a third; ",
+                   "DDP runs two rounds at most");
+        more.work.onCompletion(
+            [done = b.completedAtNs] { done->store(Clock::now().time_since_epoch().count()); });
+        second.push_back(std::move(more.work));
+        secondFinish[i] = std::move(more.finish);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      b.then = nullptr;
+    }
+    for (auto& w : second) {
+      waitFor(w);
     }
   }
   const auto waitEnd = Clock::now();
@@ -59,7 +92,15 @@ void DistributedDataParallel::Impl::finalize() {
     p.holdsReduced = true;
   }
   if (failure) {
+    for (auto& b : buckets_) {
+      b.finish = nullptr;
+      b.then = nullptr;
+    }
     std::rethrow_exception(failure);
+  }
+  if (statusWire_.defined()) {
+    statusSlot().copy_(statusWire_);
+    statusWire_ = at::Tensor();
   }
   stats_.waitSeconds = ranBackward ? secondsBetween(waitStart, waitEnd) : 0.0;
   int64_t lastDone = 0;
@@ -78,10 +119,15 @@ void DistributedDataParallel::Impl::finalize() {
     stats_.communicationSeconds =
         secondsBetween(buckets_.front().launchedAt, std::max(last, waitStart));
   }
-  for (auto& b : buckets_) {
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& b = buckets_[i];
     if (b.finish) {
-      b.finish();
+      auto finish = std::move(b.finish);
       b.finish = nullptr;
+      finish();
+    }
+    if (secondFinish[i]) {
+      secondFinish[i]();
     }
   }
   if (!options_.gradientAsBucketView) {

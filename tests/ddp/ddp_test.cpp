@@ -361,11 +361,25 @@ TEST(Ddp, CommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
     Mlp hooked;
     copyParams(*plain, *hooked);
     std::vector<int> seen;
+    std::vector<bool> last;
     hddp::DdpOptions opts;
     opts.firstBucketBytes = 256;
     opts.bucketCapBytes = 1024;
-    opts.commHook = [&seen](hddp::Communicator& c, hddp::GradBucket& bucket) {
+    opts.commHook = [&seen, &last](hddp::Communicator& c, hddp::GradBucket& bucket) {
       seen.push_back(bucket.index);
+      last.push_back(bucket.isLast);
+      // The contract: the buffer holds the parameters' gradients, each at its offset,
+      // and nothing else (DDP's status travels outside it).
+      EXPECT_EQ(bucket.parameters.size(), bucket.offsets.size());
+      int64_t at = 0;
+      const auto grads = bucket.gradients();
+      for (size_t i = 0; i < bucket.parameters.size(); ++i) {
+        EXPECT_EQ(bucket.offsets[i], at);
+        EXPECT_EQ(grads[i].sizes(), bucket.parameters[i].sizes());
+        EXPECT_EQ(grads[i].data_ptr<float>(), bucket.buffer.data_ptr<float>() + at);
+        at += bucket.parameters[i].numel();
+      }
+      EXPECT_EQ(bucket.buffer.numel(), at) << "bucket " << bucket.index;
       at::Tensor wide = bucket.buffer.to(at::kDouble);
       at::Tensor buffer = bucket.buffer;
       hddp::Work work = c.allreduce(wide);
@@ -385,6 +399,9 @@ TEST(Ddp, CommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
     std::vector<int> expected(static_cast<size_t>(buckets));
     std::iota(expected.begin(), expected.end(), 0);
     EXPECT_EQ(seen, expected);
+    std::vector<bool> lastOnly(static_cast<size_t>(buckets), false);
+    lastOnly.back() = true;
+    EXPECT_EQ(last, lastOnly);
     auto pa = plain->named_parameters();
     for (auto& p : hooked->named_parameters()) {
       EXPECT_TRUE(torch::allclose(p.value().grad(), pa[p.key()].grad(), 1e-6, 1e-7)) << p.key();
@@ -507,14 +524,26 @@ struct OomInBackward : torch::autograd::Function<OomInBackward> {
   }
 };
 
+// A hook that reduces each parameter's gradient on its own (through the bucket's
+// gradients()), as a hook that compresses per tensor does: it never touches anything
+// in the bucket beyond the gradients, so DDP's status must travel outside it.
+hddp::CommHook perParameterHook() {
+  return [](hddp::Communicator& comm, hddp::GradBucket& bucket) {
+    std::vector<at::Tensor> grads = bucket.gradients();
+    return hddp::CommHookResult{comm.allreduceCoalesced(grads), nullptr, nullptr};
+  };
+}
+
 // A rank that runs out of memory in forward or halfway through backward abandons the
 // step: every rank completes the step's collectives, every rank sees the step as
-// abandoned, and the repeated step under another split is exact.
-class Abandon : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+// abandoned, and the repeated step under another split is exact. Also with a user's
+// hook that reduces the gradients only (the status then has an allreduce of its own).
+class Abandon : public ::testing::TestWithParam<std::tuple<int, bool, bool>> {};
 
 TEST_P(Abandon, EveryRankSeesItAndTheRepeatedStepIsExact) {
   const int world = std::get<0>(GetParam());
   const bool inBackward = std::get<1>(GetParam());
+  const bool userHook = std::get<2>(GetParam());
   const int64_t B = 12;
   torch::manual_seed(3);
   Mlp reference;
@@ -539,6 +568,9 @@ TEST_P(Abandon, EveryRankSeesItAndTheRepeatedStepIsExact) {
     hddp::DdpOptions opts;
     opts.firstBucketBytes = 256;  // fc3's gradients are sent before fc2's backward
     opts.bucketCapBytes = 512;
+    if (userHook) {
+      opts.commHook = perParameterHook();
+    }
     hddp::DistributedDataParallel ddp(model, *comm, opts);
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
     auto run = [&](const std::vector<int64_t>& split, int failing) {
@@ -585,10 +617,12 @@ TEST_P(Abandon, EveryRankSeesItAndTheRepeatedStepIsExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WhereAndWorld, Abandon,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()),
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(),
+                                            ::testing::Bool()),
                          [](const auto& info) {
                            return "world" + std::to_string(std::get<0>(info.param)) +
-                                  (std::get<1>(info.param) ? "_backward" : "_forward");
+                                  (std::get<1>(info.param) ? "_backward" : "_forward") +
+                                  (std::get<2>(info.param) ? "_userHook" : "");
                          });
 
 TEST(Ddp, BadBatchSizesAreRejected) {

@@ -1,0 +1,118 @@
+// PowerSGD: low-rank gradient compression with error feedback (Vogels et al., NeurIPS
+// 2019), as a DDP communication hook, with the semantics and defaults of PyTorch's
+// `powerSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py).
+//
+//   auto state = std::make_shared<hddp::PowerSgdState>(hddp::PowerSgdOptions{/*rank=*/2});
+//   hddp::DdpOptions options;
+//   options.commHook = hddp::powerSgdHook(state);
+//
+// Per bucket: each gradient of two or more dimensions (viewed as rows x the rest) is
+// sent as two factors P (rows x r) and Q (cols x r) when (rows + cols) x r x
+// minCompressionRate < rows x cols; every other gradient (biases, small matrices) is
+// sent whole, all of them in one allreduce. Before `startStep` synchronized steps every
+// bucket is a plain allreduce.
+//
+// What hddp does differently from the Python hook, and why:
+// - No division by the world size: DDP hands the hook gradients already weighted by
+//   each rank's share (b_r / B), so sums are the gradient of the global batch, with
+//   unequal shares and ranks without samples alike.
+// - The error-feedback memory is kept in those weighted units: after a step rank r keeps
+//   (its input) - (the reduced result) / n. With equal shares that is PyTorch's memory
+//   divided by n, and the steps agree with PyTorch's to float rounding; with any shares
+//   the memories sum to the whole compression error, so a change of plan biases nothing.
+// - A step whose reduced gradient is not finite (a float16 overflow the GradScaler
+//   will skip) leaves the error memory as it was and drops the bucket's Q memory, which
+//   the next step draws afresh; PyTorch's memory would hold inf/NaN from then on.
+// - P and Q may travel in float16 or bfloat16 (`wireType`); they are computed and kept
+//   in the gradients' type.
+// - PyTorch's `batch_tensors_with_same_shape` is not offered (the same result, batched).
+//
+// The GradScaler's scale is not known to the hook: the error memory is in scaled units,
+// as PyTorch's. After the scale changes, the memory is off by the same factor for a
+// step or two (the scaler changes it rarely: on an overflow, or every 2000 steps).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hddp/ddp/comm_hooks.h"
+
+namespace hddp {
+
+struct PowerSgdOptions {
+  /// The rank r of the factors (matrix_approximation_rank): 1 to 4 is typical; higher
+  /// is closer to the exact gradient and sends more.
+  int rank = 1;
+  /// Synchronized steps sent as a plain allreduce before compression starts
+  /// (start_powerSGD_iter; PyTorch's advice: about 10% of the run). At least 2 with error
+  /// feedback or warm start (DDP's buckets are rebuilt after the first step).
+  int64_t startStep = 1000;
+  /// A gradient is compressed only where it sends this many times fewer elements.
+  double minCompressionRate = 2.0;
+  bool errorFeedback = true;
+  /// Reuse the last step's Q as the next step's starting point (one power iteration
+  /// per step that accumulates across steps).
+  bool warmStart = true;
+  /// Added to each column's norm in the orthogonalisation; 0 (PyTorch's default)
+  /// unless a gradient may be all zeros.
+  double orthogonalizationEpsilon = 0.0;
+  /// The seed of the random starting Q; the same on every rank.
+  uint64_t randomSeed = 0;
+  /// P and Q on the wire: at::kFloat (as computed), at::kHalf or at::kBFloat16.
+  c10::ScalarType wireType = at::kFloat;
+};
+
+/// The hook's state: options, the step count, and per bucket the error memory and
+/// the Q memory. Shared by the hook (which owns a reference) and the caller, which may
+/// save and load it. Used from DDP's backward and its end; not thread-safe otherwise.
+class PowerSgdState {
+ public:
+  /// ConfigError for an option out of range (rank < 1, startStep <= 1 with error
+  /// feedback or warm start, a wire type other than Float, Half, BFloat16).
+  explicit PowerSgdState(PowerSgdOptions options = {});
+
+  const PowerSgdOptions& options() const { return options_; }
+  /// Synchronized steps seen (PyTorch's `iter`).
+  int64_t step() const { return step_; }
+  /// Compression has started (step() >= startStep).
+  bool compressing() const { return step_ >= options_.startStep; }
+  /// Gradient elements before and after compression, summed over the compressed steps.
+  int64_t elementsBefore() const { return elementsBefore_; }
+  int64_t elementsAfter() const { return elementsAfter_; }
+
+  /// The state for a state file: "step", "draws", "error.<bucket>", "q.<bucket>" (CPU
+  /// copies). The error memories are this rank's own.
+  std::vector<std::pair<std::string, at::Tensor>> stateDict() const;
+  /// Loads what stateDict() wrote. A memory whose size no longer fits its bucket (other
+  /// buckets, another model) is dropped with a log line when the bucket is next seen.
+  /// Error for a key it does not know.
+  void loadStateDict(const std::vector<std::pair<std::string, at::Tensor>>& state);
+  /// Drops the error and Q memories (the step count stays), logging `why`: for a new
+  /// membership whose ranks no longer hold the memories they made.
+  void resetMemories(const std::string& why);
+
+ private:
+  friend struct PowerSgdAccess;
+  PowerSgdOptions options_;
+  int64_t step_ = 0;
+  int64_t draws_ = 0;  // random starting Qs drawn so far (the seed of the next)
+  std::map<int, at::Tensor> error_;
+  std::map<int, at::Tensor> q_;
+  int64_t elementsBefore_ = 0;
+  int64_t elementsAfter_ = 0;
+  bool startLogged_ = false;
+};
+
+/// The PowerSGD hook over a state the caller keeps (to save it, or to read its step).
+CommHook powerSgdHook(std::shared_ptr<PowerSgdState> state);
+/// The PowerSGD hook with a state of its own.
+CommHook powerSgdHook(PowerSgdOptions options = {});
+
+}  // namespace hddp

@@ -1,0 +1,437 @@
+// PowerSGD as a DDP communication hook (hddp/ddp/power_sgd.h): PyTorch's powerSGD_hook
+// in C++, in two rounds of DDP's hook contract. The first round (at the bucket's
+// launch, overlapping backward) sends the uncompressed gradients and P = M Q; the
+// second (after every bucket's first round) orthogonalises P, sends Q = M^T P, and the
+// finish decompresses M = P Q^T and keeps the error.
+#include "hddp/ddp/power_sgd.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <random>
+
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+namespace hddp {
+
+namespace {
+
+// PyTorch's _orthogonalize_gram_schmidt: columns of each matrix of a batch (b x n x r)
+// made orthonormal in place.
+void gramSchmidt(at::Tensor& matrices, double epsilon) {
+  const int64_t columns = matrices.size(2);
+  for (int64_t i = 0; i < columns; ++i) {
+    at::Tensor col = matrices.narrow(2, i, 1);
+    at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef{1}, /*keepdim=*/true);
+    if (epsilon == 0) {
+      col.div_(norm);
+    } else {
+      col.div_(norm + epsilon);
+    }
+    if (i + 1 < columns) {
+      at::Tensor rest = matrices.narrow(2, i + 1, columns - i - 1);
+      rest.sub_(at::sum(col * rest, at::IntArrayRef{1}, /*keepdim=*/true) * col);
+    }
+  }
+}
+
+// PyTorch's _orthogonalize: Gram-Schmidt for a rank up to 2 or half types, else QR.
+void orthogonalize(at::Tensor matrices, double epsilon) {
+  const int64_t rank = matrices.size(2);
+  const auto type = matrices.scalar_type();
+  if (rank <= 2 || type == at::kHalf || type == at::kBFloat16) {
+    gramSchmidt(matrices, epsilon);
+  } else {
+    matrices.copy_(std::get<0>(at::linalg_qr(matrices, "reduced")));
+  }
+}
+
+// One gradient of a bucket that is compressed: its matrix view (1 x rows x cols) and
+// its P and Q views (1 x rows x r, 1 x cols x r) into the bucket's memories.
+struct Factorised {
+  at::Tensor matrix;
+  at::Tensor p;
+  at::Tensor q;
+};
+
+}  // namespace
+
+// The parts of a PowerSgdState a bucket's work reads and writes.
+struct PowerSgdMemories {
+  const PowerSgdOptions* options;
+  int64_t* step;
+  int64_t* draws;
+  int64_t* before;
+  int64_t* after;
+  std::map<int, at::Tensor>* error;
+  std::map<int, at::Tensor>* q;
+};
+
+struct PowerSgdAccess {
+  static CommHookResult hook(const std::shared_ptr<PowerSgdState>& state, Communicator& comm,
+                             GradBucket& bucket);
+};
+
+PowerSgdState::PowerSgdState(PowerSgdOptions options) : options_(options) {
+  HDDP_CHECK_AS(ConfigError, options_.rank >= 1, "PowerSgdOptions::rank must be at least 1, got ",
+                options_.rank);
+  HDDP_CHECK_AS(ConfigError,
+                options_.startStep > 1 || !(options_.errorFeedback || options_.warmStart),
+                "PowerSgdOptions::startStep must be at least 2 with error feedback or warm "
+                "start (DDP rebuilds its buckets after the first step, which would misplace "
+                "the memories), got ",
+                options_.startStep);
+  HDDP_CHECK_AS(ConfigError, options_.minCompressionRate > 0,
+                "PowerSgdOptions::minCompressionRate must be positive, got ",
+                options_.minCompressionRate);
+  HDDP_CHECK_AS(ConfigError, options_.orthogonalizationEpsilon >= 0,
+                "PowerSgdOptions::orthogonalizationEpsilon must not be negative, got ",
+                options_.orthogonalizationEpsilon);
+  HDDP_CHECK_AS(ConfigError,
+                options_.wireType == at::kFloat || options_.wireType == at::kHalf ||
+                    options_.wireType == at::kBFloat16,
+                "PowerSgdOptions::wireType must be Float, Half or BFloat16, got ",
+                options_.wireType);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> PowerSgdState::stateDict() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  out.emplace_back("step", at::tensor(step_, at::kLong));
+  out.emplace_back("draws", at::tensor(draws_, at::kLong));
+  for (const auto& e : error_) {
+    out.emplace_back("error." + std::to_string(e.first), e.second.cpu().clone());
+  }
+  for (const auto& q : q_) {
+    out.emplace_back("q." + std::to_string(q.first), q.second.cpu().clone());
+  }
+  return out;
+}
+
+void PowerSgdState::loadStateDict(const std::vector<std::pair<std::string, at::Tensor>>& state) {
+  std::map<int, at::Tensor> error;
+  std::map<int, at::Tensor> q;
+  int64_t step = step_;
+  int64_t draws = draws_;
+  auto bucketOf = [](const std::string& key, size_t prefix) {
+    try {
+      size_t used = 0;
+      const int index = std::stoi(key.substr(prefix), &used);
+      if (used == key.size() - prefix && index >= 0) {
+        return index;
+      }
+    } catch (const std::exception&) {
+    }
+    HDDP_THROW(Error, "PowerSGD state: '", key, "' does not name a bucket");
+  };
+  for (const auto& item : state) {
+    const std::string& key = item.first;
+    if (key == "step") {
+      step = item.second.item<int64_t>();
+    } else if (key == "draws") {
+      draws = item.second.item<int64_t>();
+    } else if (key.rfind("error.", 0) == 0) {
+      error[bucketOf(key, 6)] = item.second;
+    } else if (key.rfind("q.", 0) == 0) {
+      q[bucketOf(key, 2)] = item.second;
+    } else {
+      HDDP_THROW(Error, "PowerSGD state: unknown key '", key,
+                 "' (expected step, draws, error.<bucket>, q.<bucket>)");
+    }
+  }
+  step_ = step;
+  draws_ = draws;
+  error_ = std::move(error);
+  q_ = std::move(q);
+  startLogged_ = step_ >= options_.startStep;
+}
+
+void PowerSgdState::resetMemories(const std::string& why) {
+  if (!error_.empty() || !q_.empty()) {
+    HDDP_LOG_INFO("ddp", "PowerSGD: error and Q memories reset (", why, ")");
+  }
+  error_.clear();
+  q_.clear();
+}
+
+namespace {
+
+// The hook's work for one bucket at one compressed step.
+class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
+ public:
+  CompressedBucket(std::shared_ptr<PowerSgdState> state, PowerSgdMemories memories,
+                   Communicator& comm, const GradBucket& bucket)
+      : state_(std::move(state)),
+        m_(memories),
+        comm_(comm),
+        index_(bucket.index),
+        isLast_(bucket.isLast),
+        input_(bucket.buffer) {
+    gradients_ = bucket.gradients();
+  }
+
+  CommHookResult firstRound() {
+    const PowerSgdOptions& o = *m_.options;
+    int64_t* before = m_.before;
+    int64_t* after = m_.after;
+    int64_t* draws = m_.draws;
+    std::map<int, at::Tensor>& error = *m_.error;
+    std::map<int, at::Tensor>& qs = *m_.q;
+    const auto options = input_.options();
+    if (o.errorFeedback) {
+      auto known = error.find(index_);
+      if (known != error.end() && known->second.numel() != input_.numel()) {
+        HDDP_LOG_INFO("ddp", "PowerSGD: bucket ", index_, "'s error memory holds ",
+                      known->second.numel(), " elements, the bucket ", input_.numel(), ": dropped");
+        error.erase(known);
+        known = error.end();
+      }
+      if (known != error.end()) {
+        input_.add_(known->second.to(options));
+      } else {
+        error[index_] = at::zeros({input_.numel()}, options);
+      }
+      inputCopy_ = input_.clone();
+    }
+    // Which gradients are worth compressing; the rest go whole in one allreduce.
+    std::vector<at::Tensor> whole;
+    std::vector<at::Tensor> matrices;
+    int64_t totalP = 0;
+    int64_t totalQ = 0;
+    for (const auto& g : gradients_) {
+      if (g.dim() == 0) {
+        whole.push_back(g);
+        *before += 1;
+        *after += 1;
+        continue;
+      }
+      at::Tensor m = g.view({g.size(0), -1});
+      const int64_t rows = m.size(0);
+      const int64_t cols = m.size(1);
+      const int64_t r = std::min<int64_t>({rows, cols, o.rank});
+      const int64_t uncompressed = rows * cols;
+      const int64_t compressed = (rows + cols) * r;
+      *before += uncompressed;
+      if (static_cast<double>(compressed) * o.minCompressionRate <
+          static_cast<double>(uncompressed)) {
+        matrices.push_back(m);
+        totalP += rows * r;
+        totalQ += cols * r;
+        *after += compressed;
+      } else {
+        whole.push_back(g);
+        *after += uncompressed;
+      }
+    }
+    whole_ = whole;
+    wholeWire_ = whole.empty() ? at::empty({0}, options) : at::cat(flatViews(whole));
+
+    // PyTorch's order: gradients grouped by shape, groups in order of first appearance.
+    std::vector<std::vector<at::Tensor>> groups;
+    for (const auto& m : matrices) {
+      bool placed = false;
+      for (auto& g : groups) {
+        if (g.front().sizes() == m.sizes()) {
+          g.push_back(m);
+          placed = true;
+          break;
+        }
+      }
+      if (!placed) {
+        groups.push_back({m});
+      }
+    }
+    auto knownQ = qs.find(index_);
+    if (knownQ != qs.end() && knownQ->second.numel() != totalQ) {
+      HDDP_LOG_INFO("ddp", "PowerSGD: bucket ", index_, "'s Q memory holds ",
+                    knownQ->second.numel(), " elements, the bucket needs ", totalQ,
+                    ": drawn afresh");
+      qs.erase(knownQ);
+      knownQ = qs.end();
+    }
+    const bool randomize = !o.warmStart || knownQ == qs.end();
+    pMemory_ = at::empty({totalP}, options);
+    qMemory_ = randomize ? at::empty({totalQ}, options) : knownQ->second.to(options);
+    int64_t pAt = 0;
+    int64_t qAt = 0;
+    for (const auto& g : groups) {
+      for (const auto& m : g) {
+        const int64_t rows = m.size(0);
+        const int64_t cols = m.size(1);
+        const int64_t r = std::min<int64_t>({rows, cols, o.rank});
+        factors_.push_back(Factorised{m.unsqueeze(0),
+                                      pMemory_.narrow(0, pAt, rows * r).view({1, rows, r}),
+                                      qMemory_.narrow(0, qAt, cols * r).view({1, cols, r})});
+        pAt += rows * r;
+        qAt += cols * r;
+      }
+    }
+    if (!randomize) {
+      for (auto& f : factors_) {
+        orthogonalize(f.q, o.orthogonalizationEpsilon);
+      }
+    } else if (!factors_.empty()) {
+      // The same on every rank: a seed drawn from the options' seed and the draw count.
+      std::mt19937_64 seeds(o.randomSeed);
+      seeds.discard(static_cast<unsigned long long>(*draws));
+      ++*draws;
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(seeds() % 1000000000ULL);
+      for (auto& f : factors_) {
+        f.q.copy_(at::randn(f.q.sizes(), generator, at::TensorOptions().dtype(options.dtype())));
+        orthogonalize(f.q, o.orthogonalizationEpsilon);
+      }
+    }
+    for (auto& f : factors_) {
+      at::bmm_out(f.p, f.matrix, f.q);
+    }
+    // One collective where the types allow: the whole gradients and P together.
+    wire_ = o.wireType;
+    std::vector<at::Tensor> first;
+    if (wholeWire_.numel() > 0) {
+      first.push_back(wholeWire_);
+    }
+    if (pMemory_.numel() > 0) {
+      pWire_ = wire_ == pMemory_.scalar_type() ? pMemory_ : pMemory_.to(wire_);
+      first.push_back(pWire_);
+    }
+    Work work;
+    if (first.size() == 2 && first[0].scalar_type() == first[1].scalar_type()) {
+      work = comm_.allreduceCoalesced(first);
+    } else if (first.size() == 2) {
+      // Different types: two collectives, the second's Work carried by the first's.
+      Work a = comm_.allreduce(first[0]);
+      second_ = std::make_shared<Work>(comm_.allreduce(first[1]));
+      work = std::move(a);
+    } else if (first.size() == 1) {
+      work = comm_.allreduce(first[0]);
+    }
+    auto self = shared_from_this();
+    CommHookResult result;
+    result.work = std::move(work);
+    result.then = [self]() { return self->secondRound(); };
+    return result;
+  }
+
+ private:
+  static std::vector<at::Tensor> flatViews(const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> out;
+    for (const auto& t : tensors) {
+      out.push_back(t.reshape({-1}));
+    }
+    return out;
+  }
+
+  CommHookResult secondRound() {
+    if (second_) {
+      second_->wait();
+      second_.reset();
+    }
+    int64_t at = 0;
+    for (auto& t : whole_) {
+      t.copy_(wholeWire_.narrow(0, at, t.numel()).view(t.sizes()));
+      at += t.numel();
+    }
+    const PowerSgdOptions& o = *m_.options;
+    if (pWire_.defined() && pWire_.data_ptr() != pMemory_.data_ptr()) {
+      pMemory_.copy_(pWire_);
+    }
+    for (auto& f : factors_) {
+      orthogonalize(f.p, o.orthogonalizationEpsilon);
+    }
+    for (auto& f : factors_) {
+      at::bmm_out(f.q, f.matrix.transpose(1, 2), f.p);
+    }
+    CommHookResult result;
+    if (qMemory_.numel() > 0) {
+      qWire_ = wire_ == qMemory_.scalar_type() ? qMemory_ : qMemory_.to(wire_);
+      result.work = comm_.allreduce(qWire_);
+    }
+    auto self = shared_from_this();
+    result.finish = [self]() { self->decompress(); };
+    return result;
+  }
+
+  void decompress() {
+    const PowerSgdOptions& o = *m_.options;
+    if (qWire_.defined() && qWire_.data_ptr() != qMemory_.data_ptr()) {
+      qMemory_.copy_(qWire_);
+    }
+    for (auto& f : factors_) {
+      at::bmm_out(f.matrix, f.p, f.q.transpose(1, 2));
+    }
+    const bool finite = input_.numel() == 0 || at::isfinite(input_).all().item<bool>();
+    if (!finite) {
+      // A float16 overflow (the GradScaler skips this step): keep the error memory,
+      // draw Q afresh next time.
+      HDDP_LOG_INFO("ddp", "PowerSGD: bucket ", index_,
+                    "'s reduced gradient is not finite; its memories are kept out of it");
+      m_.q->erase(index_);
+    } else {
+      if (o.errorFeedback) {
+        // Weighted units: this rank's input less its 1/n part of the reduced sum.
+        (*m_.error)[index_] = inputCopy_ - input_ / static_cast<double>(comm_.size());
+      }
+      if (o.warmStart) {
+        (*m_.q)[index_] = qMemory_;
+      } else {
+        m_.q->erase(index_);
+      }
+    }
+    if (isLast_) {
+      ++*m_.step;
+    }
+  }
+
+  std::shared_ptr<PowerSgdState> state_;  // keeps the memories alive
+  PowerSgdMemories m_;
+  Communicator& comm_;
+  int index_;
+  bool isLast_;
+  at::Tensor input_;
+  at::Tensor inputCopy_;
+  std::vector<at::Tensor> gradients_;
+  std::vector<at::Tensor> whole_;
+  at::Tensor wholeWire_;
+  std::vector<Factorised> factors_;
+  at::Tensor pMemory_;
+  at::Tensor qMemory_;
+  at::Tensor pWire_;
+  at::Tensor qWire_;
+  c10::ScalarType wire_ = at::kFloat;
+  std::shared_ptr<Work> second_;
+};
+
+}  // namespace
+
+CommHookResult PowerSgdAccess::hook(const std::shared_ptr<PowerSgdState>& state, Communicator& comm,
+                                    GradBucket& bucket) {
+  PowerSgdState& s = *state;
+  if (s.step_ < s.options_.startStep) {
+    if (bucket.isLast) {
+      ++s.step_;
+    }
+    return CommHookResult{comm.allreduce(bucket.buffer), nullptr, nullptr};
+  }
+  if (!s.startLogged_) {
+    s.startLogged_ = true;
+    HDDP_LOG_SHARED("ddp", comm.rank(), "PowerSGD starts at step ", s.step_, " (rank ",
+                    s.options_.rank, ", P and Q sent as ", s.options_.wireType, ")");
+  }
+  PowerSgdMemories memories{&s.options_,       &s.step_,  &s.draws_, &s.elementsBefore_,
+                            &s.elementsAfter_, &s.error_, &s.q_};
+  auto work = std::make_shared<CompressedBucket>(state, memories, comm, bucket);
+  return work->firstRound();
+}
+
+CommHook powerSgdHook(std::shared_ptr<PowerSgdState> state) {
+  HDDP_CHECK_AS(ConfigError, state != nullptr, "powerSgdHook: the state is a null pointer");
+  return [state](Communicator& comm, GradBucket& bucket) {
+    return PowerSgdAccess::hook(state, comm, bucket);
+  };
+}
+
+CommHook powerSgdHook(PowerSgdOptions options) {
+  return powerSgdHook(std::make_shared<PowerSgdState>(options));
+}
+
+}  // namespace hddp

@@ -1,0 +1,423 @@
+// PowerSGD (hddp/ddp/power_sgd.h): the same results as PyTorch's own powerSGD_hook on
+// the same inputs; exact weighted results where the rank covers a matrix; its state in
+// and out; a non-finite step kept out of its memories.
+#include "hddp/ddp/power_sgd.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "hddp/ddp/distributed_data_parallel.h"
+#include "support/ranks.h"
+
+namespace {
+
+using hddp::testing::runThreads;
+
+int freeLoopbackPort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t length = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    ADD_FAILURE() << "no free loopback port: " << std::strerror(errno);
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// A bucket of gradients of the given shapes, the buffer holding `values`.
+hddp::GradBucket makeBucket(int index, bool last, const std::vector<std::vector<int64_t>>& shapes,
+                            const at::Tensor& values) {
+  hddp::GradBucket b;
+  b.index = index;
+  b.isLast = last;
+  b.buffer = values.clone();
+  int64_t at = 0;
+  for (const auto& s : shapes) {
+    b.parameters.push_back(at::empty(s, values.options()));
+    b.offsets.push_back(at);
+    at += b.parameters.back().numel();
+  }
+  EXPECT_EQ(at, values.numel());
+  return b;
+}
+
+// One step of a hook over the buckets, as DDP runs it: each bucket's hook in order,
+// every first round waited for, then each `then` in order, waited for, then the finishes.
+void runStep(const hddp::CommHook& hook, hddp::Communicator& comm,
+             std::vector<hddp::GradBucket>& buckets) {
+  std::vector<hddp::CommHookResult> first;
+  for (auto& b : buckets) {
+    first.push_back(hook(comm, b));
+  }
+  for (auto& r : first) {
+    r.work.wait();
+  }
+  std::vector<hddp::CommHookResult> second(first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    if (first[i].then) {
+      second[i] = first[i].then();
+    }
+  }
+  for (auto& r : second) {
+    r.work.wait();
+  }
+  for (size_t i = 0; i < first.size(); ++i) {
+    if (first[i].finish) {
+      first[i].finish();
+    }
+    if (second[i].finish) {
+      second[i].finish();
+    }
+  }
+}
+
+// The reference file power_sgd_reference.py writes: an index and float32 data.
+struct Reference {
+  nlohmann::json index;
+  std::vector<float> data;
+
+  at::Tensor get(const std::string& name) const {
+    const auto& t = index.at("tensors").at(name);
+    const int64_t offset = t.at("offset").get<int64_t>();
+    const int64_t numel = t.at("numel").get<int64_t>();
+    return at::from_blob(const_cast<float*>(data.data()) + offset, {numel}, at::kFloat).clone();
+  }
+};
+
+Reference runPyTorch() {
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::string command = std::string(HDDP_TEST_PYTHON) + " " + HDDP_TEST_SOURCE_DIR +
+                              "/ddp/power_sgd_reference.py " + dir + " " +
+                              std::to_string(freeLoopbackPort());
+  const auto result = hddp::testing::runCommand("timeout 120 " + command);
+  EXPECT_EQ(result.exitCode, 0) << command << "\n" << result.output;
+  Reference r;
+  std::ifstream json(dir + "/reference.json");
+  EXPECT_TRUE(json.good()) << "no reference.json from " << command << "\n" << result.output;
+  if (json.good()) {
+    r.index = nlohmann::json::parse(json);
+  }
+  std::ifstream bin(dir + "/reference.bin", std::ios::binary);
+  std::stringstream bytes;
+  bytes << bin.rdbuf();
+  const std::string blob = bytes.str();
+  r.data.resize(blob.size() / sizeof(float));
+  std::memcpy(r.data.data(), blob.data(), r.data.size() * sizeof(float));
+  return r;
+}
+
+}  // namespace
+
+// PyTorch's powerSGD_hook (the torch wheel, run as a script on 2 Gloo ranks) and hddp's,
+// fed the same gradients and the same starting Q, give the same reduced buckets at
+// every step: 2 plain steps, then 4 compressed ones with error feedback and warm start,
+// two buckets (one with a shape that repeats apart), ranks 1 (Gram-Schmidt) and 3 (QR).
+// PyTorch's hook gets each rank's gradient and averages; DDP hands hddp's the gradient
+// weighted by the rank's share (here 1/2) and sums: the same numbers.
+TEST(PowerSgdVsPyTorch, SameOutputsStepByStepWithErrorFeedbackAndWarmStart) {
+  const Reference ref = runPyTorch();
+  ASSERT_FALSE(ref.index.is_null());
+  const int world = ref.index.at("world").get<int>();
+  const int steps = ref.index.at("steps").get<int>();
+  const auto shapes = ref.index.at("buckets").get<std::vector<std::vector<std::vector<int64_t>>>>();
+  ASSERT_EQ(world, 2);
+  for (const auto& config : ref.index.at("configs")) {
+    const std::string name = config.at("name").get<std::string>();
+    std::vector<double> worst(world, 0.0);
+    runThreads(world, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      hddp::PowerSgdOptions o;
+      o.rank = config.at("rank").get<int>();
+      o.minCompressionRate = config.at("min_rate").get<double>();
+      o.startStep = ref.index.at("start").get<int64_t>();
+      auto state = std::make_shared<hddp::PowerSgdState>(o);
+      const hddp::CommHook hook = hddp::powerSgdHook(state);
+      for (int step = 0; step < steps; ++step) {
+        if (step == o.startStep) {
+          std::vector<std::pair<std::string, at::Tensor>> first;
+          for (size_t b = 0; b < shapes.size(); ++b) {
+            first.emplace_back("q." + std::to_string(b),
+                               ref.get("q0." + name + ".bucket" + std::to_string(b)));
+          }
+          state->loadStateDict(first);
+        }
+        std::vector<hddp::GradBucket> buckets;
+        for (size_t b = 0; b < shapes.size(); ++b) {
+          const std::string key = name + ".step" + std::to_string(step) + ".rank" +
+                                  std::to_string(rank) + ".bucket" + std::to_string(b);
+          buckets.push_back(makeBucket(static_cast<int>(b), b + 1 == shapes.size(), shapes[b],
+                                       ref.get("in." + key) / static_cast<double>(world)));
+        }
+        runStep(hook, *comm, buckets);
+        for (size_t b = 0; b < shapes.size(); ++b) {
+          const std::string key = name + ".step" + std::to_string(step) + ".rank" +
+                                  std::to_string(rank) + ".bucket" + std::to_string(b);
+          const at::Tensor expected = ref.get("out." + key);
+          const double diff = (buckets[b].buffer - expected).abs().max().item<double>() /
+                              (expected.abs().max().item<double>() + 1e-12);
+          worst[rank] = std::max(worst[rank], diff);
+          EXPECT_LT(diff, 1e-4) << key;
+        }
+      }
+      EXPECT_EQ(state->step(), steps);
+      EXPECT_LT(state->elementsAfter(), state->elementsBefore());
+    });
+    std::printf("%s: largest relative difference to PyTorch's hook: %.2e (rank 0), %.2e (rank 1)\n",
+                name.c_str(), worst[0], worst[1]);
+  }
+}
+
+namespace {
+
+struct SmallNetImpl : torch::nn::Module {
+  SmallNetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(10, 6));
+    fc2 = register_module("fc2", torch::nn::Linear(6, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr};
+  torch::nn::Linear fc2{nullptr};
+};
+TORCH_MODULE(SmallNet);
+
+void copyParameters(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard guard;
+  auto source = from.named_parameters();
+  for (auto& p : to.named_parameters()) {
+    p.value().copy_(source[p.key()]);
+  }
+}
+
+}  // namespace
+
+// With a rank at least every matrix's smaller side, PowerSGD is exact, and so is the
+// weighted result: through DDP on 3 ranks with unequal shares that change every step
+// (a rank with no samples among them), k steps of SGD with momentum give the parameters
+// of single-device training on the whole batch (float64). The error-feedback memories
+// then sum to zero at every step; kept in other units, they would not, and the steps
+// after the first compressed one would drift.
+TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
+  const int world = 3;
+  const int64_t B = 12;
+  const int steps = 6;
+  const std::vector<std::vector<int64_t>> splits = {{4, 4, 4}, {5, 0, 7}, {1, 9, 2},
+                                                    {0, 6, 6}, {8, 3, 1}, {12, 0, 0}};
+  torch::manual_seed(5);
+  SmallNet reference;
+  reference->to(torch::kDouble);
+  SmallNet initial;
+  initial->to(torch::kDouble);
+  copyParameters(*reference, *initial);
+  std::vector<torch::Tensor> xs;
+  std::vector<torch::Tensor> ys;
+  for (int s = 0; s < steps; ++s) {
+    xs.push_back(torch::randn({B, 10}, torch::kDouble));
+    ys.push_back(torch::randint(0, 4, {B}, torch::kLong));
+  }
+  {
+    torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      torch::cross_entropy_loss(reference->forward(xs[s]), ys[s]).backward();
+      opt.step();
+    }
+  }
+  std::vector<double> diffs(world, 1e9);
+  std::vector<int64_t> compressedSteps(world, 0);
+  runThreads(world, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    SmallNet model;
+    model->to(torch::kDouble);
+    copyParameters(*initial, *model);
+    hddp::PowerSgdOptions o;
+    o.rank = 6;                  // fc1's weight is 6 x 10, fc2's 4 x 6
+    o.minCompressionRate = 0.1;  // compress them all the same
+    o.startStep = 2;
+    auto state = std::make_shared<hddp::PowerSgdState>(o);
+    hddp::DdpOptions opts;
+    opts.commHook = hddp::powerSgdHook(state);
+    hddp::DistributedDataParallel ddp(model, *comm, opts);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int s = 0; s < steps; ++s) {
+      int64_t start = 0;
+      for (int r = 0; r < rank; ++r) {
+        start += splits[s][r];
+      }
+      const int64_t b = splits[s][rank];
+      ddp.setBatch(b, B);
+      opt.zero_grad();
+      if (b > 0) {
+        torch::cross_entropy_loss(model->forward(xs[s].narrow(0, start, b)),
+                                  ys[s].narrow(0, start, b))
+            .backward();
+      } else {
+        ddp.finalize();
+      }
+      opt.step();
+    }
+    compressedSteps[rank] = state->step() - o.startStep;
+    EXPECT_LT(state->elementsAfter(), state->elementsBefore() * 2);
+    double worst = 0;
+    auto expected = reference->named_parameters();
+    for (auto& p : model->named_parameters()) {
+      worst = std::max(worst, (p.value() - expected[p.key()]).abs().max().item<double>());
+    }
+    diffs[rank] = worst;
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(compressedSteps[r], steps - 2) << "rank " << r;
+    // float64; the orthogonalisation of a nearly singular P costs some digits.
+    EXPECT_LT(diffs[r], 1e-7) << "rank " << r;
+  }
+}
+
+// Low rank on real gradients is an approximation: after a few compressed steps the
+// reduced gradient is close to, not equal to, the exact one, and error feedback makes
+// the sum over steps closer still (what was left out is sent later). bfloat16 on the
+// wire stays close to float32 on the wire.
+TEST(PowerSgd, LowRankApproximatesAndErrorFeedbackCatchesUp) {
+  const std::vector<std::vector<int64_t>> shapes = {{32, 24}, {24}};
+  for (auto wire : {at::kFloat, at::kBFloat16}) {
+    runThreads(2, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      hddp::PowerSgdOptions o;
+      o.rank = 2;
+      o.startStep = 2;
+      o.wireType = wire;
+      const hddp::CommHook hook = hddp::powerSgdHook(o);
+      at::Tensor exactSum = at::zeros({32 * 24 + 24});
+      at::Tensor sentSum = at::zeros({32 * 24 + 24});
+      double firstRelative = 0;
+      for (int step = 0; step < 12; ++step) {
+        auto g = at::Generator(at::make_generator<at::CPUGeneratorImpl>(100 * step + 7));
+        // The same low-rank-ish gradient on both ranks, scaled per rank: the exact sum
+        // is known without a collective.
+        at::Tensor common = at::randn({32 * 24 + 24}, g);
+        at::Tensor mine = common * (rank == 0 ? 0.25 : 0.75);
+        std::vector<hddp::GradBucket> buckets{makeBucket(0, true, shapes, mine)};
+        runStep(hook, *comm, buckets);
+        if (step < 2) {
+          EXPECT_TRUE(at::allclose(buckets[0].buffer, common, 1e-6, 1e-6)) << "a plain step";
+          continue;
+        }
+        exactSum += common;
+        sentSum += buckets[0].buffer;
+        const double relative =
+            ((buckets[0].buffer - common).norm() / common.norm()).item<double>();
+        if (step == 2) {
+          firstRelative = relative;
+          EXPECT_GT(relative, 0.05) << "a rank-2 view of a random 32 x 24 matrix is not exact";
+        }
+        // The whole bias travels uncompressed.
+        EXPECT_TRUE(at::allclose(buckets[0].buffer.narrow(0, 32 * 24, 24),
+                                 common.narrow(0, 32 * 24, 24), 1e-2, 1e-2));
+      }
+      const double accumulated = ((sentSum - exactSum).norm() / exactSum.norm()).item<double>();
+      EXPECT_LT(accumulated, firstRelative)
+          << "with error feedback the sum over steps is closer than one step";
+    });
+  }
+}
+
+// The state goes out and comes back: a hook whose state was saved after some steps and
+// loaded into a fresh state continues exactly as the uninterrupted one. A memory whose
+// size no longer fits its bucket is dropped (drawn afresh), not misapplied. Keys it does
+// not know are refused.
+TEST(PowerSgd, StateRoundTripsAndAMisfitIsDropped) {
+  const std::vector<std::vector<int64_t>> shapes = {{16, 12}, {12}};
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PowerSgdOptions o;
+    o.rank = 2;
+    o.startStep = 2;
+    auto a = std::make_shared<hddp::PowerSgdState>(o);
+    auto b = std::make_shared<hddp::PowerSgdState>(o);
+    auto hookA = hddp::powerSgdHook(a);
+    auto hookB = hddp::powerSgdHook(b);
+    auto input = [&](int step) {
+      auto g = at::Generator(at::make_generator<at::CPUGeneratorImpl>(10 * step + rank));
+      return at::randn({16 * 12 + 12}, g);
+    };
+    for (int step = 0; step < 8; ++step) {
+      if (step == 5) {
+        b->loadStateDict(a->stateDict());
+      }
+      std::vector<hddp::GradBucket> bucketsA{makeBucket(0, true, shapes, input(step))};
+      runStep(hookA, *comm, bucketsA);
+      if (step >= 5) {
+        std::vector<hddp::GradBucket> bucketsB{makeBucket(0, true, shapes, input(step))};
+        runStep(hookB, *comm, bucketsB);
+        EXPECT_TRUE(at::equal(bucketsA[0].buffer, bucketsB[0].buffer)) << "step " << step;
+      }
+    }
+    EXPECT_EQ(b->step(), a->step());
+    // Another model's buckets: the memories do not fit and are dropped, not applied.
+    const std::vector<std::vector<int64_t>> other = {{8, 12}, {12}};
+    std::vector<hddp::GradBucket> small{makeBucket(0, true, other, at::ones({8 * 12 + 12}))};
+    runStep(hookA, *comm, small);
+    EXPECT_TRUE(at::isfinite(small[0].buffer).all().item<bool>());
+    EXPECT_THROW(a->loadStateDict({{"p.0", at::zeros({3})}}), hddp::Error);
+    EXPECT_THROW(a->loadStateDict({{"error.x", at::zeros({3})}}), hddp::Error);
+  });
+}
+
+// A step whose gradient overflowed (inf on one rank, as float16 autocast gives before
+// the GradScaler skips the step) leaves the error memory as it was: the next finite step
+// is finite again. Options out of range are refused with ConfigError.
+TEST(PowerSgd, ANonFiniteStepStaysOutOfTheMemories) {
+  const std::vector<std::vector<int64_t>> shapes = {{16, 12}};
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PowerSgdOptions o;
+    o.startStep = 2;
+    auto state = std::make_shared<hddp::PowerSgdState>(o);
+    auto hook = hddp::powerSgdHook(state);
+    for (int step = 0; step < 6; ++step) {
+      at::Tensor g = at::randn({16 * 12});
+      if (step == 3 && rank == 1) {
+        g[5] = std::numeric_limits<float>::infinity();
+      }
+      std::vector<hddp::GradBucket> buckets{makeBucket(0, true, shapes, g)};
+      runStep(hook, *comm, buckets);
+      const bool finite = at::isfinite(buckets[0].buffer).all().item<bool>();
+      EXPECT_EQ(finite, step != 3) << "step " << step;
+    }
+    for (const auto& item : state->stateDict()) {
+      if (item.first.rfind("error.", 0) == 0 || item.first.rfind("q.", 0) == 0) {
+        EXPECT_TRUE(at::isfinite(item.second).all().item<bool>()) << item.first;
+      }
+    }
+  });
+  auto refused = [](hddp::PowerSgdOptions o) {
+    EXPECT_THROW(hddp::PowerSgdState{o}, hddp::ConfigError);
+  };
+  hddp::PowerSgdOptions o;
+  o.rank = 0;
+  refused(o);
+  o = {};
+  o.startStep = 1;
+  refused(o);
+  o = {};
+  o.wireType = at::kDouble;
+  refused(o);
+  o = {};
+  o.startStep = 1;
+  o.errorFeedback = false;
+  o.warmStart = false;
+  EXPECT_NO_THROW(hddp::PowerSgdState{o});
+}

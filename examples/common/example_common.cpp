@@ -100,10 +100,34 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--timeline", f.timeline, "Chrome-trace / Perfetto timeline of every rank");
   app.add_flag("!--no-balance", f.balance,
                "Equal split of the global batch (PyTorch DDP) instead of the planner's");
+  app.add_option("--compress", f.compress,
+                 "Gradient compression: none, fp16, bf16 (half the bytes) or powersgd[:RANK] "
+                 "(low-rank with error feedback, rank 1 by default; for slow links)")
+      ->check([](const std::string& v) -> std::string {
+        if (v == "none" || v == "fp16" || v == "bf16" || v == "powersgd") {
+          return {};
+        }
+        if (v.rfind("powersgd:", 0) == 0) {
+          const std::string r = v.substr(9);
+          if (!r.empty() && r.size() < 4 &&
+              r.find_first_not_of("0123456789") == std::string::npos && std::stoi(r) >= 1) {
+            return {};
+          }
+        }
+        return "'" + v + "' is not none, fp16, bf16, powersgd or powersgd:RANK (RANK >= 1)";
+      });
+  app.add_option("--compress-start", f.compressStart,
+                 "PowerSGD: plain allreduce for this many steps first (default: 10% of the "
+                 "run's planned steps, at least 2)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--emulate-slowdown", f.emulateSlowdown,
                  "DEMO ONLY: stretch ranks' compute, e.g. 1:3 (rank 1 three times slower)");
   app.add_option("--emulate-link-gbps", f.emulateLinkGbps,
-                 "DEMO ONLY: limit ranks' input link, e.g. 1:2.8 (GB/s)");
+                 "DEMO ONLY: limit ranks' link, e.g. 1:2.8 (GB/s): their input copies, and "
+                 "every collective to a ring over the slowest listed link");
+  app.add_option("--emulate-link-latency-us", f.emulateLinkLatencyUs,
+                 "DEMO ONLY: latency per message of the emulated link (microseconds)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--emulate-memory-cap", f.emulateMemoryCap,
                  "DEMO ONLY: ranks run out of memory above this many samples, e.g. 1:40");
   app.add_option("--emulate-memory", f.emulateMemory,
@@ -247,8 +271,44 @@ int applyThreads(const CommonFlags& flags, const DistributedContext& ctx) {
   return threads;
 }
 
-TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ctx) {
+namespace {
+
+// --compress: DDP's compression. PowerSGD starts after --compress-start steps, else after
+// 10% of the run's planned steps (PyTorch's advice for start_powerSGD_iter).
+void applyCompression(const CommonFlags& f, int64_t trainSamples, int rank, DdpOptions& ddp) {
+  if (f.compress == "none") {
+    return;
+  }
+  if (f.compress == "fp16" || f.compress == "bf16") {
+    ddp.compression = f.compress == "fp16" ? GradCompression::Fp16 : GradCompression::Bf16;
+    return;
+  }
+  ddp.compression = GradCompression::PowerSgd;
+  ddp.powerSgd.rank = f.compress.size() > 9 ? std::stoi(f.compress.substr(9)) : 1;
+  int64_t planned = f.maxSteps;
+  if (trainSamples > 0) {
+    const int64_t perEpoch = (trainSamples + f.globalBatch - 1) / f.globalBatch;
+    planned = planned > 0 ? std::min(planned, perEpoch * f.epochs) : perEpoch * f.epochs;
+  }
+  ddp.powerSgd.startStep =
+      f.compressStart > 0 ? f.compressStart : std::max<int64_t>(2, planned / 10);
+  HDDP_CHECK_AS(ConfigError, ddp.powerSgd.startStep >= 2,
+                "--compress-start must be at least 2 with PowerSGD (its memories need DDP's "
+                "rebuilt buckets), got ",
+                ddp.powerSgd.startStep);
+  if (rank == 0) {
+    std::printf("gradient compression: PowerSGD rank %d from step %lld (%s)\n", ddp.powerSgd.rank,
+                static_cast<long long>(ddp.powerSgd.startStep),
+                f.compressStart > 0 ? "--compress-start" : "10% of the planned steps");
+  }
+}
+
+}  // namespace
+
+TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ctx,
+                              int64_t trainSamples) {
   TrainerOptions o;
+  applyCompression(f, trainSamples, ctx.rank(), o.ddp);
   o.launch = ctx.info;  // what initFromEnv read: the Trainer need not read it again
   o.globalBatch = f.globalBatch;
   o.epochs = f.epochs;
@@ -284,7 +344,7 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
     o.maxLocalBatch = parseRankCaps("--max-local-batch", f.maxLocalBatch, ctx.worldSize());
   }
   if (!f.emulateSlowdown.empty() || !f.emulateLinkGbps.empty() || !f.emulateMemoryCap.empty() ||
-      !f.emulateMemory.empty()) {
+      !f.emulateMemory.empty() || f.emulateLinkLatencyUs > 0) {
     // flags override the environment
     EmulationOptions e = emulationFromEnv(ctx.rank(), ctx.worldSize());
     const auto rank = static_cast<size_t>(ctx.rank());
@@ -293,9 +353,13 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
           parseRankValues("--emulate-slowdown", f.emulateSlowdown, ctx.worldSize(), 1.0)[rank];
     }
     if (!f.emulateLinkGbps.empty()) {
-      e.linkBytesPerSecond =
-          parseRankValues("--emulate-link-gbps", f.emulateLinkGbps, ctx.worldSize(), 0.0)[rank] *
-          1e9;
+      const std::vector<double> links =
+          parseRankValues("--emulate-link-gbps", f.emulateLinkGbps, ctx.worldSize(), 0.0);
+      e.linkBytesPerSecond = links[rank] * 1e9;
+      e.collectiveBytesPerSecond = slowestEmulatedLink(links);
+    }
+    if (f.emulateLinkLatencyUs > 0) {
+      e.linkLatencySeconds = f.emulateLinkLatencyUs * 1e-6;
     }
     if (!f.emulateMemoryCap.empty()) {
       e.memoryCapSamples =

@@ -58,6 +58,9 @@ struct CommonFlags {
   bool balance = true;  // --no-balance: the equal split
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
+  double emulateLinkLatencyUs = 0;
+  std::string compress = "none";  // none, fp16, bf16, powersgd[:RANK]
+  int64_t compressStart = 0;      // 0: 10% of the planned steps
   std::string emulateMemoryCap;
   std::string emulateMemory;
   std::string maxLocalBatch;
@@ -86,7 +89,10 @@ DistributedContext initRank(const CommonFlags& flags);
 int applyThreads(const CommonFlags& flags, const DistributedContext& ctx);
 
 /// TrainerOptions from the flags (validated: a bad value throws hddp::ConfigError).
-TrainerOptions trainerOptions(const CommonFlags& flags, const DistributedContext& ctx);
+/// `trainSamples` (the training set's size) sets PowerSGD's default start: 10% of the
+/// run's planned steps.
+TrainerOptions trainerOptions(const CommonFlags& flags, const DistributedContext& ctx,
+                              int64_t trainSamples = 0);
 
 /// SGD with Nesterov momentum (weight decay as an L2 term) or AdamW (decoupled decay).
 std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::vector<at::Tensor>& parameters,

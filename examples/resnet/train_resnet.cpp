@@ -211,7 +211,7 @@ int run(int argc, char** argv) {
   }
   net->to(ctx.device);
   auto optimizer = ex::makeOptimizer(net->parameters(), flags);
-  auto options = ex::trainerOptions(flags, ctx);
+  auto options = ex::trainerOptions(flags, ctx, d.train->size());
   if (ctx.rank() == 0) {
     std::printf(
         "train_resnet: %s on %s, %d rank(s) x %d thread(s), device %s\n  train: %s\n  test: %s\n",

@@ -140,7 +140,7 @@ int run(int argc, char** argv) {
   hddp::models::UNet net(mo);
   net->to(ctx.device);
   auto optimizer = ex::makeOptimizer(net->parameters(), flags);
-  auto options = ex::trainerOptions(flags, ctx);
+  auto options = ex::trainerOptions(flags, ctx, train->size());
   if (ctx.rank() == 0) {
     std::printf(
         "train_unet: depth %lld, width %lld, %lld classes, %d rank(s) x %d thread(s), device "

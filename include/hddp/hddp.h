@@ -17,6 +17,7 @@
 #include "hddp/comm/devices.h"
 #include "hddp/comm/exchange.h"
 #include "hddp/comm/launch.h"
+#include "hddp/comm/link_emulation.h"
 #include "hddp/comm/rendezvous.h"
 #include "hddp/comm/store.h"
 #include "hddp/comm/wait_observer.h"

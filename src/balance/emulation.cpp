@@ -172,16 +172,27 @@ void parseEmulatedMemory(const std::string& variable, const std::string& text, i
   }
 }
 
+double slowestEmulatedLink(const std::vector<double>& gbpsPerRank) {
+  double slowest = 0.0;
+  for (const double gbps : gbpsPerRank) {
+    if (gbps > 0 && (slowest == 0.0 || gbps < slowest)) {
+      slowest = gbps;
+    }
+  }
+  return slowest * 1e9;
+}
+
 EmulationOptions emulationFromEnv(int rank, int worldSize) {
   HDDP_CHECK(rank >= 0 && rank < worldSize, "emulationFromEnv: rank ", rank,
              " is outside a job of ", worldSize, " rank(s)");
   EmulationOptions o;
   o.slowdown = parseRankValues("HDDP_EMULATE_SLOWDOWN", env::getString("HDDP_EMULATE_SLOWDOWN"),
                                worldSize, 1.0)[static_cast<size_t>(rank)];
-  o.linkBytesPerSecond =
-      parseRankValues("HDDP_EMULATE_LINK_GBPS", env::getString("HDDP_EMULATE_LINK_GBPS"), worldSize,
-                      0.0)[static_cast<size_t>(rank)] *
-      1e9;
+  const std::vector<double> links = parseRankValues(
+      "HDDP_EMULATE_LINK_GBPS", env::getString("HDDP_EMULATE_LINK_GBPS"), worldSize, 0.0);
+  o.linkBytesPerSecond = links[static_cast<size_t>(rank)] * 1e9;
+  o.collectiveBytesPerSecond = slowestEmulatedLink(links);
+  o.linkLatencySeconds = env::getFloat("HDDP_EMULATE_LINK_LATENCY_US") * 1e-6;
   o.memoryCapSamples =
       parseRankCaps("HDDP_EMULATE_MEMORY_CAP", env::getString("HDDP_EMULATE_MEMORY_CAP"),
                     worldSize)[static_cast<size_t>(rank)];
@@ -198,6 +209,13 @@ void EmulationOptions::validate(int rank) const {
   HDDP_CHECK_AS(ConfigError, std::isfinite(linkBytesPerSecond) && linkBytesPerSecond >= 0,
                 "emulated link bandwidth for rank ", rank, " is ", linkBytesPerSecond / 1e9,
                 " GB/s; give a finite positive bandwidth (or leave the rank out)");
+  HDDP_CHECK_AS(ConfigError,
+                std::isfinite(collectiveBytesPerSecond) && collectiveBytesPerSecond >= 0,
+                "emulated link under the collectives is ", collectiveBytesPerSecond / 1e9,
+                " GB/s; give a finite positive bandwidth (or none)");
+  HDDP_CHECK_AS(ConfigError, std::isfinite(linkLatencySeconds) && linkLatencySeconds >= 0,
+                "emulated link latency is ", linkLatencySeconds * 1e6,
+                " us; give a finite latency >= 0");
   HDDP_CHECK_AS(ConfigError, memoryCapSamples >= 0, "emulated memory cap for rank ", rank, " is ",
                 memoryCapSamples, "; give a number of samples >= 1");
   HDDP_CHECK_AS(
@@ -216,19 +234,29 @@ Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep)
     sleep_ = [](std::chrono::duration<double> d) { std::this_thread::sleep_for(d); };
   }
   if (options_.active()) {
-    HDDP_LOG_WARN("balance", "EMULATION ON for rank ", rank, ": compute x", options_.slowdown,
-                  options_.linkBytesPerSecond > 0
-                      ? c10::str(", link ", options_.linkBytesPerSecond / 1e9, " GB/s")
-                      : std::string(),
-                  options_.memoryCapSamples > 0
-                      ? c10::str(", out of memory above ", options_.memoryCapSamples, " samples")
-                      : std::string(),
-                  options_.emulatesMemory()
-                      ? c10::str(", memory ", options_.memoryFixedBytes / (1 << 20), " MiB + ",
-                                 options_.memoryPerSampleBytes / (1 << 20), " MiB/sample of ",
-                                 options_.memoryTotalBytes / (1 << 20), " MiB")
-                      : std::string(),
-                  " (for tests and demos; unset HDDP_EMULATE_* to turn it off)");
+    HDDP_LOG_WARN(
+        "balance", "EMULATION ON for rank ", rank, ": compute x", options_.slowdown,
+        options_.linkBytesPerSecond > 0
+            ? c10::str(", input link ", options_.linkBytesPerSecond / 1e9, " GB/s")
+            : std::string(),
+        options_.collectiveBytesPerSecond > 0 || options_.linkLatencySeconds > 0
+            ? c10::str(", collectives over a ring of ",
+                       options_.collectiveBytesPerSecond > 0
+                           ? c10::str(options_.collectiveBytesPerSecond / 1e9, " GB/s")
+                           : std::string("unlimited bandwidth"),
+                       options_.linkLatencySeconds > 0
+                           ? c10::str(" + ", options_.linkLatencySeconds * 1e6, " us per message")
+                           : std::string())
+            : std::string(),
+        options_.memoryCapSamples > 0
+            ? c10::str(", out of memory above ", options_.memoryCapSamples, " samples")
+            : std::string(),
+        options_.emulatesMemory()
+            ? c10::str(", memory ", options_.memoryFixedBytes / (1 << 20), " MiB + ",
+                       options_.memoryPerSampleBytes / (1 << 20), " MiB/sample of ",
+                       options_.memoryTotalBytes / (1 << 20), " MiB")
+            : std::string(),
+        " (for tests and demos; unset HDDP_EMULATE_* to turn it off)");
   }
 }
 

@@ -1,8 +1,15 @@
 #include "hddp/comm/work.h"
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <condition_variable>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "comm/errors.h"
@@ -48,6 +55,68 @@ class WaitSpan {
   std::vector<WaitObserver*> told_;
 };
 
+using Clock = std::chrono::steady_clock;
+
+// Completion callbacks of Works whose emulated link ends them after the real collective
+// (link_emulation.h): run at their time by one thread of their own (started on first
+// use, again in a forked child, never joined: it may outlive main's objects, so the
+// queue lives as long as the process).
+class DelayedCallbacks {
+ public:
+  static DelayedCallbacks& instance() {
+    static auto* callbacks = new DelayedCallbacks();
+    return *callbacks;
+  }
+
+  void at(Clock::time_point when, std::function<void()> callback) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.emplace(when, std::move(callback));
+      if (owner_ != ::getpid()) {  // first use, or a forked child (threads do not fork)
+        owner_ = ::getpid();
+        std::thread([this] { run(); }).detach();
+      }
+    }
+    wake_.notify_one();
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      if (queue_.empty()) {
+        wake_.wait(lock);
+        continue;
+      }
+      const auto first = queue_.begin();
+      if (Clock::now() < first->first) {
+        wake_.wait_until(lock, first->first);
+        continue;
+      }
+      std::function<void()> callback = std::move(first->second);
+      queue_.erase(first);
+      lock.unlock();
+      try {
+        callback();
+      } catch (...) {  // callbacks must not throw (Work::onCompletion); never end the thread
+      }
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::multimap<Clock::time_point, std::function<void()>> queue_;
+  pid_t owner_ = 0;
+};
+
+// Sleeps until an emulated link's end of the collective.
+void waitForEmulatedLink(const WorkAccess::Impl& impl) {
+  if (impl.notBefore != Clock::time_point{} && Clock::now() < impl.notBefore) {
+    std::this_thread::sleep_until(impl.notBefore);
+  }
+}
+
 }  // namespace
 
 namespace detail {
@@ -80,7 +149,8 @@ Work& Work::operator=(Work&&) noexcept = default;
 
 bool Work::isCompleted() const {
   HDDP_CHECK(impl_, "Work used after it was moved from");
-  return !impl_->work || impl_->work->isCompleted();
+  return (!impl_->work || impl_->work->isCompleted()) &&
+         (impl_->notBefore == Clock::time_point{} || Clock::now() >= impl_->notBefore);
 }
 
 void Work::wait(std::chrono::milliseconds timeout) {
@@ -92,8 +162,10 @@ void Work::wait(std::chrono::milliseconds timeout) {
   // device, the Avg division): waiting for the collective's result, as Gloo's own
   // staging of CUDA tensors inside its wait.
   std::optional<WaitSpan> span;
-  if (impl_->work) {
+  if (impl_->work || impl_->notBefore != Clock::time_point{}) {
     span.emplace(impl_->waitObservers);
+  }
+  if (impl_->work) {
     try {
       impl_->work->wait(timeout.count() > 0 ? timeout : std::chrono::milliseconds(0));
     } catch (...) {
@@ -101,6 +173,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
       detail::rethrowAsDistributed(impl_->description, detail::FailedOperation::Backend);
     }
   }
+  waitForEmulatedLink(*impl_);
   impl_->finished = true;
   if (impl_->onComplete) {
     impl_->onComplete();
@@ -117,8 +190,10 @@ void Work::synchronize() {
     return;
   }
   std::optional<WaitSpan> span;
-  if (impl_->work) {
+  if (impl_->work || impl_->notBefore != Clock::time_point{}) {
     span.emplace(impl_->waitObservers);
+  }
+  if (impl_->work) {
     try {
       impl_->work->synchronize();
     } catch (...) {
@@ -126,6 +201,7 @@ void Work::synchronize() {
       detail::rethrowAsDistributed(impl_->description, detail::FailedOperation::Backend);
     }
   }
+  waitForEmulatedLink(*impl_);
   impl_->finished = true;
   if (impl_->onComplete) {
     impl_->onComplete();
@@ -135,12 +211,20 @@ void Work::synchronize() {
 void Work::onCompletion(std::function<void()> callback) {
   HDDP_CHECK(impl_, "Work used after it was moved from");
   HDDP_CHECK(callback, "Work::onCompletion needs a callback");
+  const Clock::time_point notBefore = impl_->notBefore;
+  auto run = [notBefore](std::function<void()> fn) {
+    if (notBefore != Clock::time_point{} && Clock::now() < notBefore) {
+      DelayedCallbacks::instance().at(notBefore, std::move(fn));  // the emulated link's end
+    } else {
+      fn();
+    }
+  };
   if (!impl_->work) {
-    callback();
+    run(std::move(callback));
     return;
   }
   impl_->work->getFuture()->addCallback(
-      [callback = std::move(callback)](c10::ivalue::Future&) { callback(); });
+      [run, callback = std::move(callback)](c10::ivalue::Future&) { run(callback); });
 }
 
 const std::string& Work::description() const {

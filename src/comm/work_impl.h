@@ -2,6 +2,7 @@
 // has completed.
 #pragma once
 
+#include <chrono>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "hddp/comm/wait_observer.h"
@@ -21,6 +22,9 @@ struct Work::Impl {
   bool synchronizeWaits = false;
   /// Told of wait() and synchronize() (Communicator::addWaitObserver); null: nobody.
   std::shared_ptr<detail::WaitObservers> waitObservers;
+  /// An emulated slow link's end of this collective (hddp/comm/link_emulation.h): the
+  /// Work completes no sooner. The clock's epoch: none.
+  std::chrono::steady_clock::time_point notBefore{};
 };
 
 /// How the communicator's implementation builds a Work and edits it before handing it out.

@@ -48,7 +48,14 @@ std::vector<Variable> makeRegistry() {
       {"HDDP_EMULATE_LINK_GBPS",
        Type::String,
        "",
-       "Emulation (tests/demos): input link bandwidth per rank in GB/s, e.g. 1:2.8.",
+       "Emulation (tests/demos): link bandwidth per rank in GB/s, e.g. 1:2.8: the rank's "
+       "input copies, and every collective at the slowest listed link's ring time.",
+       {}},
+      {"HDDP_EMULATE_LINK_LATENCY_US",
+       Type::Float,
+       "0",
+       "Emulation (tests/demos): latency per message of the emulated link under the "
+       "collectives, in microseconds.",
        {}},
       {"HDDP_EMULATE_MEMORY_CAP",
        Type::String,

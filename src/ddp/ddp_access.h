@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "hddp/ddp/distributed_data_parallel.h"
@@ -34,6 +35,14 @@ struct DdpAccess {
   static bool lastStepAbandoned(DistributedDataParallel& ddp);
   /// Each bucket's allreduce in the last synchronized step, in launch order.
   static const std::vector<BucketTiming>& bucketTimes(const DistributedDataParallel& ddp);
+  /// The parameters in bucket order (bucketLayout() flattened): what a state file keeps
+  /// so that a resumed run has the buckets of the run it continues.
+  static std::vector<std::string> bucketOrder(const DistributedDataParallel& ddp);
+  /// Builds the buckets from `names` (a bucketOrder() of the same model) and skips the
+  /// rebuild after the first step: a hook's per-bucket memories (PowerSGD's) then fit
+  /// the buckets they were made for. Call it on every rank before the first step. False
+  /// (nothing changed) when the names are not exactly the model's parameters.
+  static bool adoptBucketOrder(DistributedDataParallel& ddp, const std::vector<std::string>& names);
 };
 
 }  // namespace detail

@@ -25,12 +25,18 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
   HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
                 "DdpOptions: set either compression or commHook, not both (compression is "
                 "a shorthand for commHook = compressedAllreduceHook(...))");
-  hookSumsWholeBuffer_ = !options_.commHook;
-  hook_ = options_.commHook ? options_.commHook
-          : options_.compression == GradCompression::None
-              ? allreduceHook()
-              : compressedAllreduceHook(
-                    options_.compression == GradCompression::Fp16 ? at::kHalf : at::kBFloat16);
+  hookSumsWholeBuffer_ = !options_.commHook && options_.compression != GradCompression::PowerSgd;
+  if (options_.commHook) {
+    hook_ = options_.commHook;
+  } else if (options_.compression == GradCompression::PowerSgd) {
+    powerSgd_ = std::make_shared<PowerSgdState>(options_.powerSgd);
+    hook_ = powerSgdHook(powerSgd_);
+  } else if (options_.compression == GradCompression::None) {
+    hook_ = allreduceHook();
+  } else {
+    hook_ = compressedAllreduceHook(options_.compression == GradCompression::Fp16 ? at::kHalf
+                                                                                  : at::kBFloat16);
+  }
   std::unordered_map<const void*, std::string> seen;  // tied parameters: counted once
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const void* identity = item.value().unsafeGetTensorImpl();

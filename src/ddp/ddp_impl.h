@@ -131,6 +131,7 @@ class DistributedDataParallel::Impl {
   // included. A user's hook gets the gradients only, and the status is summed by a
   // one-element allreduce of its own (statusWire_), launched right after the last bucket.
   bool hookSumsWholeBuffer_ = false;
+  std::shared_ptr<PowerSgdState> powerSgd_;  // GradCompression::PowerSgd's state
   at::Tensor statusWire_;
   Work statusWork_;
   std::vector<Param> params_;

@@ -1,5 +1,7 @@
 #include "hddp/ddp/distributed_data_parallel.h"
 
+#include <unordered_map>
+
 #include "ddp/ddp_impl.h"
 
 namespace hddp {
@@ -33,6 +35,9 @@ std::vector<std::vector<std::string>> DistributedDataParallel::bucketLayout() co
   return impl_->layout();
 }
 const DdpStepStats& DistributedDataParallel::lastStepStats() const { return impl_->stats_; }
+const std::shared_ptr<PowerSgdState>& DistributedDataParallel::powerSgdState() const {
+  return impl_->powerSgd_;
+}
 
 namespace detail {
 
@@ -40,6 +45,39 @@ bool DdpAccess::abandonStep(DistributedDataParallel& ddp) { return ddp.impl_->ab
 bool DdpAccess::lastStepAbandoned(DistributedDataParallel& ddp) {
   return ddp.impl_->lastStepAbandoned();
 }
+std::vector<std::string> DdpAccess::bucketOrder(const DistributedDataParallel& ddp) {
+  std::vector<std::string> names;
+  for (const auto& bucket : ddp.impl_->layout()) {
+    names.insert(names.end(), bucket.begin(), bucket.end());
+  }
+  return names;
+}
+
+bool DdpAccess::adoptBucketOrder(DistributedDataParallel& ddp,
+                                 const std::vector<std::string>& names) {
+  auto& impl = *ddp.impl_;
+  std::unordered_map<std::string, int> index;
+  for (size_t i = 0; i < impl.params_.size(); ++i) {
+    index.emplace(impl.params_[i].name, static_cast<int>(i));
+  }
+  std::vector<int> order;
+  std::vector<bool> seen(impl.params_.size(), false);
+  for (const auto& name : names) {
+    const auto it = index.find(name);
+    if (it == index.end() || seen[static_cast<size_t>(it->second)]) {
+      return false;
+    }
+    seen[static_cast<size_t>(it->second)] = true;
+    order.push_back(it->second);
+  }
+  if (order.size() != impl.params_.size()) {
+    return false;
+  }
+  impl.buildBuckets(order);
+  impl.recordOrder_ = false;
+  return true;
+}
+
 const std::vector<BucketTiming>& DdpAccess::bucketTimes(const DistributedDataParallel& ddp) {
   return ddp.impl_->bucketTimes_;
 }

@@ -13,6 +13,7 @@
 
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/seed.h"
+#include "hddp/comm/link_emulation.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
@@ -118,12 +119,33 @@ void checkOptimizerListsEachTensorOnce(torch::optim::Optimizer& optimizer,
   }
 }
 
+// The communicator the Trainer's collectives go through: under an emulated slow link
+// when the emulation asks for one (every rank computes the same link from the job's list).
+std::unique_ptr<Communicator> emulatedLinkFor(Communicator& comm, const TrainerOptions& options) {
+  const EmulationOptions e =
+      options.emulation ? *options.emulation : emulationFromEnv(comm.rank(), comm.size());
+  const LinkEmulation link{e.collectiveBytesPerSecond, e.linkLatencySeconds};
+  if (!link.active() || comm.size() < 2) {
+    return nullptr;
+  }
+  HDDP_LOG_SHARED("train", comm.rank(), "EMULATION ON: every collective of the Trainer takes ",
+                  "the time of a ring over ",
+                  link.bytesPerSecond > 0 ? c10::str(link.bytesPerSecond / 1e9, " GB/s")
+                                          : std::string("an unlimited link"),
+                  link.latencySeconds > 0
+                      ? c10::str(" with ", link.latencySeconds * 1e6, " us per message")
+                      : std::string(),
+                  " (the slowest emulated link; docs/balance.md)");
+  return emulateLink(comm, link);
+}
+
 }  // namespace
 
 Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model, ForwardFn forward,
                     LossFn loss, torch::optim::Optimizer& optimizer,
                     std::shared_ptr<const Dataset> train, TrainerOptions options)
-    : comm_(comm),
+    : emulatedLink_(emulatedLinkFor(comm, options)),
+      comm_(emulatedLink_ ? *emulatedLink_ : comm),
       model_(std::move(model)),
       forward_(std::move(forward)),
       loss_(std::move(loss)),
@@ -161,7 +183,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
                     ")");
     }
   }
-  ddp_ = std::make_unique<DistributedDataParallel>(model_, comm, options_.ddp);
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, comm_, options_.ddp);
   for (const auto& module : model_->modules(/*include_self=*/true)) {
     hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
   }
@@ -181,12 +203,12 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       predictAllreduce(seed);
     }
     planner_ = std::make_unique<BatchPlanner>(
-        comm, PlannerOptions(options_.globalBatch, options_.planner), std::move(seed));
+        comm_, PlannerOptions(options_.globalBatch, options_.planner), std::move(seed));
   }
   applyGivenMemoryCaps();
   GradScalerOptions so = options_.scaler;
   so.enabled = options_.amp == AmpMode::Fp16;
-  scaler_ = std::make_unique<GradScaler>(so, &comm);
+  scaler_ = std::make_unique<GradScaler>(so, &comm_);
   LoaderOptions& lo = options_.loader;
   lo.device = device_;
   lo.seed = options_.seed;

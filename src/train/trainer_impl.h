@@ -96,6 +96,9 @@ class Trainer::Impl {
   train::StateParts stateParts();
   std::string saveMidEpoch();
 
+  // The given communicator under an emulated slow link (EmulationOptions::
+  // collectiveBytesPerSecond, linkLatencySeconds), or null; comm_ is it when set.
+  std::unique_ptr<Communicator> emulatedLink_;
   Communicator& comm_;
   std::shared_ptr<torch::nn::Module> model_;
   ForwardFn forward_;

@@ -9,11 +9,13 @@
 #include <sstream>
 #include <vector>
 
+#include "ddp/ddp_access.h"
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/planner.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/ddp/power_sgd.h"
 #include "hddp/train/state_file.h"
 #include "train/elastic.h"
 
@@ -109,6 +111,13 @@ std::vector<uint8_t> rankBlob(const StateParts& parts) {
     parts.planner->save(shared, own);
     a.write("planner", own);
   }
+  if (parts.powerSgd) {
+    OutputArchive powerSgd;
+    for (const auto& item : parts.powerSgd->stateDict()) {
+      powerSgd.write(item.first, item.second);
+    }
+    a.write("powersgd", powerSgd);
+  }
   const std::string bytes = archiveBytes(a);
   return std::vector<uint8_t>(bytes.begin(), bytes.end());
 }
@@ -141,6 +150,36 @@ std::vector<int> matchMembers(const StateParts& parts, InputArchive& file, int64
   return from;
 }
 
+// PowerSGD's state from a saved rank's part. The step and the Q memories are the same
+// on every rank; the error memories are the rank's own, in units of its 1/n part of the
+// sum: where the group changed they no longer fit and start from zero (logged). A file
+// saved without PowerSGD leaves the hook to start fresh.
+void loadPowerSgd(PowerSgdState& state, InputArchive& saved, bool sameGroup, int ranks,
+                  int64_t savedRanks) {
+  InputArchive archive;
+  if (!saved.try_read("powersgd", archive)) {
+    HDDP_LOG_INFO("train", "the state file holds no PowerSGD state: it starts afresh");
+    return;
+  }
+  std::vector<std::pair<std::string, at::Tensor>> items;
+  bool droppedErrors = false;
+  for (const auto& key : archive.keys()) {
+    if (!sameGroup && key.rfind("error.", 0) == 0) {
+      droppedErrors = true;
+      continue;
+    }
+    at::Tensor t;
+    archive.read(key, t);
+    items.emplace_back(key, t);
+  }
+  state.loadStateDict(items);
+  if (droppedErrors) {
+    HDDP_LOG_INFO("train", "PowerSGD: saved by ", savedRanks, " ranks, resumed by ", ranks,
+                  " in another group: error memories start from zero (Q memories and the "
+                  "step count go on)");
+  }
+}
+
 // This rank's own part: its RNGs from the saved rank it continues (none for a newcomer,
 // which keeps its own), then the planner, remapped when the members changed.
 void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* plannerShared,
@@ -170,6 +209,14 @@ void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* pla
       parts.planner->load(*plannerShared, own);
     } else {
       parts.planner->loadRemapped(*plannerShared, hasOwn ? &own : nullptr, from);
+    }
+  }
+  if (parts.powerSgd) {
+    if (hasOwn) {
+      loadPowerSgd(*parts.powerSgd, mine, same, static_cast<int>(from.size()), savedRanks);
+    } else {  // a newcomer: the step and Q memories are rank 0's as everyone's
+      InputArchive first = savedBlob(file, 0, path);
+      loadPowerSgd(*parts.powerSgd, first, same, static_cast<int>(from.size()), savedRanks);
     }
   }
 }
@@ -316,6 +363,13 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
     parts.planner->save(shared, own);
     archive.write("planner", shared);
   }
+  if (parts.ddp) {
+    std::string order;
+    for (const auto& name : detail::DdpAccess::bucketOrder(*parts.ddp)) {
+      order += name + "\n";
+    }
+    archive.write("ddp_order", bytesTensor(std::vector<uint8_t>(order.begin(), order.end())));
+  }
   for (size_t r = 0; r < blobs.size(); ++r) {
     archive.write("rank" + std::to_string(r), bytesTensor(blobs[r]));
   }
@@ -386,6 +440,19 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
                     "); the sampler goes on with the same global order");
   }
   loadRankBlob(parts, archive, hasPlanner ? &plannerShared : nullptr, from, meta.worldSize, path);
+  at::Tensor order;
+  if (parts.ddp && archive.try_read("ddp_order", order)) {
+    std::vector<std::string> names;
+    std::istringstream lines(tensorBytes(order));
+    for (std::string name; std::getline(lines, name);) {
+      names.push_back(name);
+    }
+    if (!detail::DdpAccess::adoptBucketOrder(*parts.ddp, names)) {
+      HDDP_LOG_SHARED("train", parts.comm.rank(), path,
+                      ": its bucket order does not name this model's parameters; DDP keeps "
+                      "its own (a PowerSGD memory that no longer fits starts afresh)");
+    }
+  }
   return loaded;
 }
 

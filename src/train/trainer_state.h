@@ -13,7 +13,11 @@
 //   scaler          GradScaler::save
 //   sampler         DistributedSampler::State::save (where the epoch's order stands)
 //   planner         BatchPlanner::save, its shared part (with balancing only)
-//   rank<r>         rank r's own archive, as bytes: its RNGs and its planner window
+//   ddp_order       DDP's parameters in bucket order, names separated by newlines
+//                   (optional: a file without it leaves DDP's own order)
+//   rank<r>         rank r's own archive, as bytes: its RNGs, its planner window and,
+//                   with PowerSGD, the hook's state (step, Q memories, this rank's
+//                   error memories)
 // Rank 0 writes it; every rank reads it.
 #pragma once
 
@@ -36,6 +40,8 @@ namespace hddp {
 class BatchPlanner;
 class Communicator;
 class GradScaler;
+class PowerSgdState;
+class DistributedDataParallel;
 
 namespace train {
 
@@ -83,6 +89,11 @@ struct StateParts {
   /// The launcher's slot in an elastic job (LaunchInfo::slot; -1: none): who the rank
   /// is across generations, whose own part it takes at a resume.
   int slot = -1;
+  /// DDP's PowerSGD state (GradCompression::PowerSgd), else null: in the rank's own part.
+  PowerSgdState* powerSgd = nullptr;
+  /// DDP, whose bucket order the file keeps (null: not kept): a resumed run gets the
+  /// buckets of the run it continues, which PowerSGD's per-bucket memories need.
+  DistributedDataParallel* ddp = nullptr;
 };
 
 /// Writes the state file of `meta.step` in `directory` (rank 0; collective), keeping

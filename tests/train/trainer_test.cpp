@@ -249,16 +249,26 @@ namespace {
 void phaseBody(int rank, int size, hddp::Store& store) {
   const std::string phase = envOr("HDDP_TEST_PHASE");
   const std::string d = envOr("HDDP_TEST_TRAIN_DIR");
+  // HDDP_TEST_COMPRESS=powersgd: gradients through PowerSGD from step 2 on.
+  const bool powerSgd = envOr("HDDP_TEST_COMPRESS") == "powersgd";
+  auto compress = [powerSgd](hddp::TrainerOptions& o) {
+    if (powerSgd) {
+      o.ddp.compression = hddp::GradCompression::PowerSgd;
+      o.ddp.powerSgd.startStep = 2;
+    }
+  };
   if (phase == "straight") {
     trainRun(
         rank, size, store,
         [&](hddp::TrainerOptions& o) {
+          compress(o);
           o.saveDir = d + "/a";
           o.maxSteps = 10;
         },
         d + "/straight.pt");
   } else if (phase == "first") {
     auto s = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      compress(o);
       o.saveDir = d + "/b";
       o.maxSteps = 6;  // stops in the middle of the second epoch (4 steps per epoch)
     });
@@ -267,6 +277,7 @@ void phaseBody(int rank, int size, hddp::Store& store) {
     auto s = trainRun(
         rank, size, store,
         [&](hddp::TrainerOptions& o) {
+          compress(o);
           o.saveDir = d + "/b";
           o.resume = d + "/b";
           o.maxSteps = 10;
@@ -309,6 +320,28 @@ TEST(Trainer, ResumeInFreshProcessesMatchesTrainingStraightThrough) {
   expectAllSucceeded(runPhase("first"));
   ASSERT_FALSE(hddp::listStateFiles(dir + "/b").empty());
   expectAllSucceeded(runPhase("second"));
+  const auto straight = loadParams(dir + "/straight.pt");
+  const auto resumed = loadParams(dir + "/resumed.pt");
+  ASSERT_EQ(straight.size(), resumed.size());
+  for (size_t i = 0; i < straight.size(); ++i) {
+    EXPECT_TRUE(at::allclose(straight[i], resumed[i], /*rtol=*/0, /*atol=*/1e-6))
+        << "tensor " << i << " differs by "
+        << (straight[i].to(at::kDouble) - resumed[i].to(at::kDouble)).abs().max().item<double>();
+  }
+}
+
+// The same with PowerSGD from step 2: the state file carries the hook's step, its Q
+// memories and each rank's error memory, so the resumed run goes on exactly as the
+// straight one (without them the Q would be drawn afresh and the errors lost).
+TEST(Trainer, ResumeWithPowerSgdMatchesTrainingStraightThrough) {
+  if (std::getenv("HDDP_TEST_CHILD_RANK") == nullptr) {
+    setenv("HDDP_TEST_COMPRESS", "powersgd", 1);
+  }
+  const std::string dir = sharedDir("HDDP_TEST_TRAIN_DIR");
+  expectAllSucceeded(runPhase("straight"));
+  expectAllSucceeded(runPhase("first"));
+  expectAllSucceeded(runPhase("second"));
+  unsetenv("HDDP_TEST_COMPRESS");
   const auto straight = loadParams(dir + "/straight.pt");
   const auto resumed = loadParams(dir + "/resumed.pt");
   ASSERT_EQ(straight.size(), resumed.size());

@@ -28,8 +28,17 @@ namespace hddp {
 struct EmulationOptions {
   /// Compute time multiplier (>= 1). Default 1 (off).
   double slowdown = 1.0;
-  /// Emulated link bandwidth in bytes/s; 0 = off.
+  /// Emulated link bandwidth in bytes/s for this rank's input copies; 0 = off.
   double linkBytesPerSecond = 0.0;
+  /// The job's slowest emulated link in bytes/s, which every collective crosses (a ring
+  /// is as fast as its slowest link): the Trainer's collectives take the time the ring
+  /// would (hddp/comm/link_emulation.h). 0 = off. emulationFromEnv and the trainers'
+  /// --emulate-link-gbps set it from the whole per-rank list: the same on every rank.
+  double collectiveBytesPerSecond = 0.0;
+  /// Latency per message of the emulated link, seconds (HDDP_EMULATE_LINK_LATENCY_US,
+  /// --emulate-link-latency-us); with it, collectives are emulated even at full
+  /// bandwidth. Default 0.
+  double linkLatencySeconds = 0.0;
   /// Largest local batch that "fits"; a larger one throws c10::OutOfMemoryError in the
   /// forward pass, as a card out of memory does. 0 = off.
   int64_t memoryCapSamples = 0;
@@ -41,7 +50,8 @@ struct EmulationOptions {
   double memoryTotalBytes = 0.0;
   bool emulatesMemory() const { return memoryTotalBytes > 0; }
   bool active() const {
-    return slowdown != 1.0 || linkBytesPerSecond > 0 || memoryCapSamples > 0 || emulatesMemory();
+    return slowdown != 1.0 || linkBytesPerSecond > 0 || collectiveBytesPerSecond > 0 ||
+           linkLatencySeconds > 0 || memoryCapSamples > 0 || emulatesMemory();
   }
   /// ConfigError naming `rank` for a slowdown below 1, above 1e6 or not finite (inf
   /// would sleep forever), a negative or infinite bandwidth, a negative cap.
@@ -84,6 +94,10 @@ std::vector<double> parseRankValues(const std::string& variable, const std::stri
 /// that does not hold the fixed part.
 void parseEmulatedMemory(const std::string& variable, const std::string& text, int worldSize,
                          int rank, EmulationOptions& options);
+/// The slowest of a per-rank list of link bandwidths in GB/s (parseRankValues with
+/// fallback 0: 0 = the rank has no emulated link), in bytes/s; 0 when none is emulated.
+double slowestEmulatedLink(const std::vector<double>& gbpsPerRank);
+
 /// parseRankValues for memory caps: a listed cap is a whole number of samples >= 1
 /// (0 is an error, not "no cap"); an unlisted rank gets 0 = no cap.
 std::vector<int64_t> parseRankCaps(const std::string& variable, const std::string& text,

@@ -50,6 +50,7 @@
 
 #include "hddp/comm/communicator.h"
 #include "hddp/ddp/comm_hooks.h"
+#include "hddp/ddp/power_sgd.h"
 
 namespace torch {
 namespace nn {
@@ -80,6 +81,9 @@ enum class GradCompression {
   Fp16,
   /// Buckets are cast to bfloat16 (half the bytes, float32's range, ~2-3 digits).
   Bf16,
+  /// PowerSGD low-rank compression with error feedback (hddp/ddp/power_sgd.h), with
+  /// DdpOptions::powerSgd; its state is DistributedDataParallel::powerSgdState().
+  PowerSgd,
 };
 
 struct DdpOptions {
@@ -100,8 +104,11 @@ struct DdpOptions {
   BufferSync bufferSync = BufferSync::WithGradients;
   /// With BufferSync::WithGradients: every this many synchronized steps. Default 1.
   int bufferSyncInterval = 1;
-  /// Fp16/Bf16: commHook = compressedAllreduceHook(at::kHalf / at::kBFloat16).
+  /// Fp16/Bf16: commHook = compressedAllreduceHook(at::kHalf / at::kBFloat16);
+  /// PowerSgd: commHook = powerSgdHook(powerSgd).
   GradCompression compression = GradCompression::None;
+  /// With GradCompression::PowerSgd: the rank, the start step, ... (PyTorch's defaults).
+  PowerSgdOptions powerSgd;
   /// What is sent for each bucket (PyTorch's register_comm_hook); empty = an allreduce of
   /// the bucket, or the hook `compression` names. Setting both is a ConfigError.
   CommHook commHook;
@@ -190,6 +197,9 @@ class DistributedDataParallel {
   /// The parameter names of each bucket, in bucket order (for inspection and tests).
   std::vector<std::vector<std::string>> bucketLayout() const;
   const DdpStepStats& lastStepStats() const;
+  /// With GradCompression::PowerSgd: the hook's state (to save and load it, to read its
+  /// step); null otherwise.
+  const std::shared_ptr<PowerSgdState>& powerSgdState() const;
 
   class Impl;
 

@@ -286,7 +286,7 @@ void applyCompression(const CommonFlags& f, int64_t trainSamples, int rank, DdpO
   ddp.compression = GradCompression::PowerSgd;
   ddp.powerSgd.rank = f.compress.size() > 9 ? std::stoi(f.compress.substr(9)) : 1;
   int64_t planned = f.maxSteps;
-  if (trainSamples > 0) {
+  if (trainSamples > 0 && f.globalBatch > 0) {
     const int64_t perEpoch = (trainSamples + f.globalBatch - 1) / f.globalBatch;
     planned = planned > 0 ? std::min(planned, perEpoch * f.epochs) : perEpoch * f.epochs;
   }

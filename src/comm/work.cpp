@@ -1,5 +1,6 @@
 #include "hddp/comm/work.h"
 
+#include <pthread.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -64,8 +65,15 @@ using Clock = std::chrono::steady_clock;
 class DelayedCallbacks {
  public:
   static DelayedCallbacks& instance() {
-    static auto* callbacks = new DelayedCallbacks();
-    return *callbacks;
+    static std::once_flag once;
+    std::call_once(once, [] {
+      current() = new DelayedCallbacks();
+      // A forked child starts with a queue of its own: the parent's callbacks are not
+      // its own, and the parent's thread may have held the lock at the fork. (The old
+      // one is left, as a child must not touch a lock it may never get.)
+      ::pthread_atfork(nullptr, nullptr, [] { current() = new DelayedCallbacks(); });
+    });
+    return *current();
   }
 
   void at(Clock::time_point when, std::function<void()> callback) {
@@ -102,6 +110,11 @@ class DelayedCallbacks {
       }
       lock.lock();
     }
+  }
+
+  static DelayedCallbacks*& current() {
+    static DelayedCallbacks* callbacks = nullptr;
+    return callbacks;
   }
 
   std::mutex mutex_;

@@ -41,6 +41,9 @@ void DistributedDataParallel::Impl::finalize() {
     }
   }
   stats_.unusedParameters = static_cast<int>(unused.size());
+  // A bucket whose hook threw at its launch (out of memory on the autograd thread) is
+  // ready but not sent: send it now, as the other ranks will wait for it.
+  launchReadyBuckets(/*duringBackward=*/false);
   const auto waitStart = Clock::now();
   std::exception_ptr failure;
   auto waitFor = [&failure](Work& work) {

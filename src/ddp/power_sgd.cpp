@@ -25,7 +25,9 @@ void gramSchmidt(at::Tensor& matrices, double epsilon) {
     at::Tensor col = matrices.narrow(2, i, 1);
     at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef{1}, /*keepdim=*/true);
     if (epsilon == 0) {
-      col.div_(norm);
+      // An all-zero column stays zero (PyTorch's would turn NaN: 0/0); any other is
+      // divided exactly as PyTorch's.
+      col.div_(at::where(norm > 0, norm, at::ones_like(norm)));
     } else {
       col.div_(norm + epsilon);
     }
@@ -170,7 +172,31 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     gradients_ = bucket.gradients();
   }
 
+  // The first round; where it throws (out of memory on the autograd thread), the state
+  // is left as it was, so DDP may send the bucket again.
   CommHookResult firstRound() {
+    const int64_t draws = *m_.draws;
+    const int64_t before = *m_.before;
+    const int64_t after = *m_.after;
+    const bool hadError = m_.error->count(index_) > 0;
+    try {
+      return firstRoundOrThrow();
+    } catch (...) {
+      if (addedError_.defined()) {
+        input_.sub_(addedError_);
+      }
+      *m_.draws = draws;
+      *m_.before = before;
+      *m_.after = after;
+      if (!hadError) {
+        m_.error->erase(index_);
+      }
+      throw;
+    }
+  }
+
+ private:
+  CommHookResult firstRoundOrThrow() {
     const PowerSgdOptions& o = *m_.options;
     int64_t* before = m_.before;
     int64_t* after = m_.after;
@@ -187,7 +213,9 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
         known = error.end();
       }
       if (known != error.end()) {
-        input_.add_(known->second.to(options));
+        at::Tensor memory = known->second.to(options);
+        input_.add_(memory);
+        addedError_ = memory;
       } else {
         error[index_] = at::zeros({input_.numel()}, options);
       }
@@ -199,10 +227,10 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     int64_t totalP = 0;
     int64_t totalQ = 0;
     for (const auto& g : gradients_) {
-      if (g.dim() == 0) {
+      if (g.dim() == 0 || g.numel() == 0) {
         whole.push_back(g);
-        *before += 1;
-        *after += 1;
+        *before += g.numel();
+        *after += g.numel();
         continue;
       }
       at::Tensor m = g.view({g.size(0), -1});
@@ -251,7 +279,9 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     }
     const bool randomize = !o.warmStart || knownQ == qs.end();
     pMemory_ = at::empty({totalP}, options);
-    qMemory_ = randomize ? at::empty({totalQ}, options) : knownQ->second.to(options);
+    // A copy: the stored memory stays as it was until the step's end.
+    qMemory_ = randomize ? at::empty({totalQ}, options)
+                         : knownQ->second.to(options, /*non_blocking=*/false, /*copy=*/true);
     int64_t pAt = 0;
     int64_t qAt = 0;
     for (const auto& g : groups) {
@@ -312,7 +342,6 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     return result;
   }
 
- private:
   static std::vector<at::Tensor> flatViews(const std::vector<at::Tensor>& tensors) {
     std::vector<at::Tensor> out;
     for (const auto& t : tensors) {
@@ -389,6 +418,7 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
   bool isLast_;
   at::Tensor input_;
   at::Tensor inputCopy_;
+  at::Tensor addedError_;  // the error memory added into the input (undone on a throw)
   std::vector<at::Tensor> gradients_;
   std::vector<at::Tensor> whole_;
   at::Tensor wholeWire_;

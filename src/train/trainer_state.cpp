@@ -450,7 +450,10 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     if (!detail::DdpAccess::adoptBucketOrder(*parts.ddp, names)) {
       HDDP_LOG_SHARED("train", parts.comm.rank(), path,
                       ": its bucket order does not name this model's parameters; DDP keeps "
-                      "its own (a PowerSGD memory that no longer fits starts afresh)");
+                      "its own");
+      if (parts.powerSgd) {  // its per-bucket memories were made for the saved buckets
+        parts.powerSgd->resetMemories("the saved buckets are not this model's");
+      }
     }
   }
   return loaded;

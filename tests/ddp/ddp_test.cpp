@@ -625,6 +625,43 @@ INSTANTIATE_TEST_SUITE_P(WhereAndWorld, Abandon,
                                   (std::get<2>(info.param) ? "_userHook" : "");
                          });
 
+// A hook that throws when the last bucket is launched on one rank (out of memory on the
+// autograd thread): that rank abandons the step, DDP sends the bucket at the step's end
+// (the other rank waits for it), and every rank sees the step abandoned, with no hang.
+TEST(Ddp, ABucketWhoseHookThrewIsSentAtTheStepsEndAndNoRankHangs) {
+  std::vector<int> abandoned(2, -1);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions co;
+    co.timeout = std::chrono::seconds(20);
+    auto comm = hddp::makeCommunicator(store, rank, size, co);
+    torch::manual_seed(2);
+    Mlp model;
+    hddp::DdpOptions opts;
+    opts.firstBucketBytes = 256;
+    opts.bucketCapBytes = 1024;
+    auto throwOnce = std::make_shared<bool>(rank == 1);
+    opts.commHook = [throwOnce](hddp::Communicator& c, hddp::GradBucket& bucket) {
+      if (bucket.isLast && *throwOnce) {
+        *throwOnce = false;
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "test: out of memory in the hook");
+      }
+      return hddp::CommHookResult{c.allreduce(bucket.buffer), nullptr, nullptr};
+    };
+    hddp::DistributedDataParallel ddp(model, *comm, opts);
+    auto d = makeData(8, 50 + rank);
+    ddp.setBatch(8, 16);
+    try {
+      torch::cross_entropy_loss(model->forward(d.x), d.y).backward();
+      EXPECT_EQ(rank, 0);
+    } catch (const std::exception& e) {
+      EXPECT_EQ(rank, 1) << e.what();
+      EXPECT_TRUE(hddp::detail::DdpAccess::abandonStep(ddp));
+    }
+    abandoned[rank] = hddp::detail::DdpAccess::lastStepAbandoned(ddp) ? 1 : 0;
+  });
+  EXPECT_EQ(abandoned, (std::vector<int>{1, 1}));
+}
+
 TEST(Ddp, BadBatchSizesAreRejected) {
   runThreads(1, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);

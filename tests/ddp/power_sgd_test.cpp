@@ -203,15 +203,13 @@ void copyParameters(torch::nn::Module& from, torch::nn::Module& to) {
   }
 }
 
-}  // namespace
-
 // With a rank at least every matrix's smaller side, PowerSGD is exact, and so is the
 // weighted result: through DDP on 3 ranks with unequal shares that change every step
 // (a rank with no samples among them), k steps of SGD with momentum give the parameters
 // of single-device training on the whole batch (float64). The error-feedback memories
 // then sum to zero at every step; kept in other units, they would not, and the steps
 // after the first compressed one would drift.
-TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
+void expectExactWithACoveringRank(const c10::Device& device) {
   const int world = 3;
   const int64_t B = 12;
   const int steps = 6;
@@ -244,6 +242,7 @@ TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
     SmallNet model;
     model->to(torch::kDouble);
     copyParameters(*initial, *model);
+    model->to(device);
     hddp::PowerSgdOptions o;
     o.rank = 6;                  // fc1's weight is 6 x 10, fc2's 4 x 6
     o.minCompressionRate = 0.1;  // compress them all the same
@@ -262,8 +261,8 @@ TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
       ddp.setBatch(b, B);
       opt.zero_grad();
       if (b > 0) {
-        torch::cross_entropy_loss(model->forward(xs[s].narrow(0, start, b)),
-                                  ys[s].narrow(0, start, b))
+        torch::cross_entropy_loss(model->forward(xs[s].narrow(0, start, b).to(device)),
+                                  ys[s].narrow(0, start, b).to(device))
             .backward();
       } else {
         ddp.finalize();
@@ -275,7 +274,8 @@ TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
     double worst = 0;
     auto expected = reference->named_parameters();
     for (auto& p : model->named_parameters()) {
-      worst = std::max(worst, (p.value() - expected[p.key()]).abs().max().item<double>());
+      EXPECT_EQ(p.value().device(), device);
+      worst = std::max(worst, (p.value().cpu() - expected[p.key()]).abs().max().item<double>());
     }
     diffs[rank] = worst;
   });
@@ -284,6 +284,20 @@ TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
     // float64; the orthogonalisation of a nearly singular P costs some digits.
     EXPECT_LT(diffs[r], 1e-7) << "rank " << r;
   }
+}
+
+}  // namespace
+
+TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
+  expectExactWithACoveringRank(c10::Device(c10::kCPU));
+}
+
+// The same on a GPU (the hook's tensors on it, Gloo staging them through the host).
+TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
+  }
+  expectExactWithACoveringRank(c10::Device(c10::kCUDA, 0));
 }
 
 // Low rank on real gradients is an approximation: after a few compressed steps the
@@ -401,6 +415,19 @@ TEST(PowerSgd, ANonFiniteStepStaysOutOfTheMemories) {
       if (item.first.rfind("error.", 0) == 0 || item.first.rfind("q.", 0) == 0) {
         EXPECT_TRUE(at::isfinite(item.second).all().item<bool>()) << item.first;
       }
+    }
+  });
+  // An all-zero gradient (an unused layer): P and Q are zero columns, which stay zero
+  // (PyTorch's Gram-Schmidt divides 0 by 0).
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::PowerSgdOptions o;
+    o.startStep = 2;
+    auto hook = hddp::powerSgdHook(o);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<hddp::GradBucket> buckets{makeBucket(0, true, shapes, at::zeros({16 * 12}))};
+      runStep(hook, *comm, buckets);
+      EXPECT_TRUE(at::equal(buckets[0].buffer, at::zeros({16 * 12}))) << "step " << step;
     }
   });
   auto refused = [](hddp::PowerSgdOptions o) {

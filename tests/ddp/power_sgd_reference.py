@@ -65,24 +65,16 @@ def numel(shape):
     return n
 
 
-def q_length(shapes, rank, min_rate):
-    total = 0
+def factor_lengths(shapes, rank, min_rate):
+    """The lengths of the P and Q memories of a bucket (the compressed tensors' factors)."""
+    p_total, q_total = 0, 0
     for s in shapes:
         rows, cols = s[0], numel(s) // s[0]
         r = min(rows, cols, rank)
         if (rows + cols) * r * min_rate < rows * cols:
-            total += cols * r
-    return total
-
-
-def p_length(shapes, rank, min_rate):
-    total = 0
-    for s in shapes:
-        rows, cols = s[0], numel(s) // s[0]
-        r = min(rows, cols, rank)
-        if (rows + cols) * r * min_rate < rows * cols:
-            total += rows * r
-    return total
+            p_total += rows * r
+            q_total += cols * r
+    return p_total, q_total
 
 
 def inputs(config_index, step, rank, bucket):
@@ -112,8 +104,9 @@ def run(rank, out_dir, port):
         for step in range(STEPS):
             if step == 2:  # the starting Q, the same on every rank, instead of a random one
                 for b, shapes in enumerate(BUCKETS):
-                    state.p_memory_dict[b] = torch.empty(p_length(shapes, c["rank"], c["min_rate"]))
-                    state.q_memory_dict[b] = first_q(ci, b, q_length(shapes, c["rank"], c["min_rate"]))
+                    p_len, q_len = factor_lengths(shapes, c["rank"], c["min_rate"])
+                    state.p_memory_dict[b] = torch.empty(p_len)
+                    state.q_memory_dict[b] = first_q(ci, b, q_len)
             for b, shapes in enumerate(BUCKETS):
                 buffer = inputs(ci, step, rank, b).clone()
                 bucket = FakeBucket(b, b == len(BUCKETS) - 1, buffer, shapes)
@@ -140,7 +133,7 @@ def main():
             put("out." + name, t)
     for ci, c in enumerate(CONFIGS):
         for b, shapes in enumerate(BUCKETS):
-            put(f"q0.{c['name']}.bucket{b}", first_q(ci, b, q_length(shapes, c["rank"], c["min_rate"])))
+            put(f"q0.{c['name']}.bucket{b}", first_q(ci, b, factor_lengths(shapes, c["rank"], c["min_rate"])[1]))
             for step in range(STEPS):
                 for rank in range(WORLD):
                     put(f"in.{c['name']}.step{step}.rank{rank}.bucket{b}", inputs(ci, step, rank, b))

@@ -312,14 +312,8 @@ std::vector<hddp::testing::ProcessOutcome> runPhase(const char* phase) {
   return runProcesses(2, phaseBody);
 }
 
-}  // namespace
-
-TEST(Trainer, ResumeInFreshProcessesMatchesTrainingStraightThrough) {
-  const std::string dir = sharedDir("HDDP_TEST_TRAIN_DIR");
-  expectAllSucceeded(runPhase("straight"));
-  expectAllSucceeded(runPhase("first"));
-  ASSERT_FALSE(hddp::listStateFiles(dir + "/b").empty());
-  expectAllSucceeded(runPhase("second"));
+// The parameters the straight run and the resumed one ended with are the same.
+void expectResumedEqualsStraight(const std::string& dir) {
   const auto straight = loadParams(dir + "/straight.pt");
   const auto resumed = loadParams(dir + "/resumed.pt");
   ASSERT_EQ(straight.size(), resumed.size());
@@ -328,6 +322,17 @@ TEST(Trainer, ResumeInFreshProcessesMatchesTrainingStraightThrough) {
         << "tensor " << i << " differs by "
         << (straight[i].to(at::kDouble) - resumed[i].to(at::kDouble)).abs().max().item<double>();
   }
+}
+
+}  // namespace
+
+TEST(Trainer, ResumeInFreshProcessesMatchesTrainingStraightThrough) {
+  const std::string dir = sharedDir("HDDP_TEST_TRAIN_DIR");
+  expectAllSucceeded(runPhase("straight"));
+  expectAllSucceeded(runPhase("first"));
+  ASSERT_FALSE(hddp::listStateFiles(dir + "/b").empty());
+  expectAllSucceeded(runPhase("second"));
+  expectResumedEqualsStraight(dir);
 }
 
 // The same with PowerSGD from step 2: the state file carries the hook's step, its Q
@@ -342,14 +347,7 @@ TEST(Trainer, ResumeWithPowerSgdMatchesTrainingStraightThrough) {
   expectAllSucceeded(runPhase("first"));
   expectAllSucceeded(runPhase("second"));
   unsetenv("HDDP_TEST_COMPRESS");
-  const auto straight = loadParams(dir + "/straight.pt");
-  const auto resumed = loadParams(dir + "/resumed.pt");
-  ASSERT_EQ(straight.size(), resumed.size());
-  for (size_t i = 0; i < straight.size(); ++i) {
-    EXPECT_TRUE(at::allclose(straight[i], resumed[i], /*rtol=*/0, /*atol=*/1e-6))
-        << "tensor " << i << " differs by "
-        << (straight[i].to(at::kDouble) - resumed[i].to(at::kDouble)).abs().max().item<double>();
-  }
+  expectResumedEqualsStraight(dir);
 }
 
 TEST(Trainer, CrashDuringSaveThenResumeFromTheLastGoodState) {

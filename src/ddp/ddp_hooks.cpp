@@ -181,21 +181,23 @@ void DistributedDataParallel::Impl::launchReadyBuckets(bool duringBackward) {
     // separately below.
     bucket.buffer = hookSumsWholeBuffer_ ? b.flat : b.flat.narrow(0, 0, gradientElements);
     CommHookResult sent = hook_(comm_, bucket);
+    // Sent: from here on the bucket is not launched again (finalize() launches a bucket
+    // whose hook threw, and only that).
     b.work = std::move(sent.work);
     b.finish = std::move(sent.finish);
     b.then = std::move(sent.then);
-    if (isLast && !hookSumsWholeBuffer_) {
-      statusWire_ = statusSlot().clone();
-      statusWork_ = comm_.allreduce(statusWire_);
-    }
+    b.launched = true;
+    ++nextBucket_;
     b.work.onCompletion(
         [done = b.completedAtNs] { done->store(ddp::Clock::now().time_since_epoch().count()); });
-    b.launched = true;
     // "During backward": gradients of other parameters were still to come.
     if (duringBackward && readyCount_ < params_.size()) {
       ++stats_.bucketsLaunchedDuringBackward;
     }
-    ++nextBucket_;
+    if (isLast && !hookSumsWholeBuffer_) {
+      statusWire_ = statusSlot().clone();
+      statusWork_ = comm_.allreduce(statusWire_);
+    }
   }
 }
 

@@ -400,7 +400,15 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
         // Weighted units: this rank's input less its 1/n part of the reduced sum.
         (*m_.error)[index_] = inputCopy_ - input_ / static_cast<double>(comm_.size());
       }
-      if (o.warmStart) {
+      // A Q with an all-zero column (a gradient that was all zero: an unused layer)
+      // would keep P and Q zero from then on: drawn afresh instead. Q is the same on every
+      // rank after its allreduce, so every rank decides alike.
+      bool zeroColumn = false;
+      for (const auto& f : factors_) {
+        zeroColumn = zeroColumn ||
+                     (at::linalg_vector_norm(f.q, 2, at::IntArrayRef{1}) == 0).any().item<bool>();
+      }
+      if (o.warmStart && !zeroColumn) {
         (*m_.q)[index_] = qMemory_;
       } else {
         m_.q->erase(index_);
@@ -437,10 +445,11 @@ CommHookResult PowerSgdAccess::hook(const std::shared_ptr<PowerSgdState>& state,
                                     GradBucket& bucket) {
   PowerSgdState& s = *state;
   if (s.step_ < s.options_.startStep) {
-    if (bucket.isLast) {
+    Work work = comm.allreduce(bucket.buffer);
+    if (bucket.isLast) {  // counted once sent: a hook that threw may be called again
       ++s.step_;
     }
-    return CommHookResult{comm.allreduce(bucket.buffer), nullptr, nullptr};
+    return CommHookResult{std::move(work), nullptr, nullptr};
   }
   if (!s.startLogged_) {
     s.startLogged_ = true;

@@ -429,6 +429,10 @@ TEST(PowerSgd, ANonFiniteStepStaysOutOfTheMemories) {
       runStep(hook, *comm, buckets);
       EXPECT_TRUE(at::equal(buckets[0].buffer, at::zeros({16 * 12}))) << "step " << step;
     }
+    // Used again: the gradient gets through (a zero Q kept as the warm start would not).
+    std::vector<hddp::GradBucket> used{makeBucket(0, true, shapes, at::ones({16 * 12}))};
+    runStep(hook, *comm, used);
+    EXPECT_GT(used[0].buffer.abs().sum().item<double>(), 1.0) << "the layer is used again";
   });
   auto refused = [](hddp::PowerSgdOptions o) {
     EXPECT_THROW(hddp::PowerSgdState{o}, hddp::ConfigError);

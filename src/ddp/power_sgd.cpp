@@ -403,11 +403,11 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       // A Q with an all-zero column (a gradient that was all zero: an unused layer)
       // would keep P and Q zero from then on: drawn afresh instead. Q is the same on every
       // rank after its allreduce, so every rank decides alike.
-      bool zeroColumn = false;
+      std::vector<at::Tensor> zeroColumns;  // one host read for the bucket, not per tensor
       for (const auto& f : factors_) {
-        zeroColumn = zeroColumn ||
-                     (at::linalg_vector_norm(f.q, 2, at::IntArrayRef{1}) == 0).any().item<bool>();
+        zeroColumns.push_back((at::linalg_vector_norm(f.q, 2, at::IntArrayRef{1}) == 0).any());
       }
+      const bool zeroColumn = !zeroColumns.empty() && at::stack(zeroColumns).any().item<bool>();
       if (o.warmStart && !zeroColumn) {
         (*m_.q)[index_] = qMemory_;
       } else {

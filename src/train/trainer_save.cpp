@@ -15,8 +15,9 @@
 namespace hddp {
 
 train::StateParts Trainer::Impl::stateParts() {
-  return train::StateParts{comm_,    device_,        *model_,         optimizer_,
-                           *scaler_, planner_.get(), elastic_.slot(), ddp_->powerSgdState().get(), ddp_.get()};
+  return train::StateParts{comm_,     device_,        *model_,         optimizer_,
+                           *scaler_,  planner_.get(), elastic_.slot(), ddp_->powerSgdState().get(),
+                           ddp_.get()};
 }
 
 std::string Trainer::Impl::save() {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Gradient compression over a slow link: none, fp16, PowerSGD rank 1 and 4 (issue #35).
+"""Gradient compression over a slow link: none, fp16, PowerSGD rank 1 and 4, auto (#35).
 
 Runs the shipped ResNet trainer (train_resnet) on 2 CPU ranks on Fashion-MNIST with an
 emulated link under every collective (--emulate-link-gbps on both ranks: the ring over
@@ -8,7 +8,9 @@ for each: global samples/s, the training time (the epochs' own seconds, evaluati
 left out) until the test accuracy first reaches the target, and the final accuracy.
 An "epoch" here is --limit-train samples, so the test set is evaluated every
 limit-train / global-batch steps. With --slow, rank 1 also computes 3x slower
-(--emulate-slowdown 1:3, the planner on as always).
+(--emulate-slowdown 1:3, the planner on as always). For `auto` the table names what the
+trainer chose (the metrics' config record) and the check says whether that is the
+fastest of the fixed choices measured in the same run.
 
 usage: python3 bench/compress_compare.py [--build build] [--link-gbps 0.005]
        [--steps 600] [--slow] [--out DIR]
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import time
 
-CONFIGS = ["none", "fp16", "powersgd:1", "powersgd:4"]
+CONFIGS = ["none", "fp16", "powersgd:1", "powersgd:4", "auto"]
 
 
 def run(args, compress, out_dir):
@@ -51,6 +53,7 @@ def run(args, compress, out_dir):
     epochs_seen = [r for r in records if r.get("kind") == "epoch"]
     steps = [r for r in records if r.get("kind") == "step"]
     summary = [r for r in records if r.get("kind") == "summary"]
+    config = next((r for r in records if r.get("kind") == "config"), {})
     trained = 0.0
     reached = None
     for e in epochs_seen:
@@ -61,6 +64,7 @@ def run(args, compress, out_dir):
     predicted = next((s["allreduce_predicted_s"] for s in steps if "allreduce_predicted_s" in s), 0)
     return {
         "compress": compress,
+        "chosen": config.get("compression", compress),
         "samples_per_s": summary[-1]["samples_per_s"] if summary and "samples_per_s" in summary[-1]
         else sum(e["samples_per_s"] * e["seconds"] for e in epochs_seen) / max(trained, 1e-9),
         "train_seconds": trained,
@@ -101,9 +105,19 @@ def main():
     for r in results:
         t = r["seconds_to_target"]
         speedup = (plain["seconds_to_target"] / t) if (plain and plain["seconds_to_target"] and t) else None
-        print(f"| {r['compress']} | {r['samples_per_s']:.0f} | {r['median_comm_wait_s']:.3f} | "
+        name = r["compress"] if r["compress"] != "auto" else f"auto (chose {r['chosen']})"
+        print(f"| {name} | {r['samples_per_s']:.0f} | {r['median_comm_wait_s']:.3f} | "
               f"{'%.0f' % t if t else 'not reached'} | {'%.2fx' % speedup if speedup else '-'} | "
               f"{r['final_acc']:.4f} |")
+    auto = next((r for r in results if r["compress"] == "auto"), None)
+    fixed = [r for r in results if r["compress"] != "auto"]
+    if auto and fixed:
+        fastest = max(fixed, key=lambda r: r["samples_per_s"])
+        same = next((r for r in fixed if r["compress"] == auto["chosen"]), None)
+        print(f"\nauto chose {auto['chosen']}; the fastest fixed choice measured: "
+              f"{fastest['compress']} ({fastest['samples_per_s']:.0f} samples/s)"
+              + (f"; {auto['chosen']} measured {same['samples_per_s']:.0f} samples/s, "
+                 f"{same['samples_per_s'] / fastest['samples_per_s']:.2f}x the fastest" if same else ""))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
 

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cli_checks.h"
+#include "hddp/balance/compression_model.h"
 #include "hddp/balance/emulation.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/devices.h"
@@ -101,20 +102,19 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_flag("!--no-balance", f.balance,
                "Equal split of the global batch (PyTorch DDP) instead of the planner's");
   app.add_option("--compress", f.compress,
-                 "Gradient compression: none, fp16, bf16 (half the bytes) or powersgd[:RANK] "
-                 "(low-rank with error feedback, rank 1 by default; for slow links)")
+                 "Gradient compression: none, fp16, bf16 (half the bytes), powersgd[:RANK] "
+                 "(low-rank with error feedback, rank 1 by default; for slow links) or auto "
+                 "(chosen from the slowest link and the backward it can hide behind)")
       ->check([](const std::string& v) -> std::string {
-        if (v == "none" || v == "fp16" || v == "bf16" || v == "powersgd") {
+        if (v == "auto") {
           return {};
         }
-        if (v.rfind("powersgd:", 0) == 0) {
-          const std::string r = v.substr(9);
-          if (!r.empty() && r.size() < 4 &&
-              r.find_first_not_of("0123456789") == std::string::npos && std::stoi(r) >= 1) {
-            return {};
-          }
+        try {
+          CompressionSpec::parse(v);
+          return {};
+        } catch (const ConfigError& e) {
+          return e.what();
         }
-        return "'" + v + "' is not none, fp16, bf16, powersgd or powersgd:RANK (RANK >= 1)";
       });
   app.add_option("--compress-start", f.compressStart,
                  "PowerSGD: plain allreduce for this many steps first (default: 10% of the "
@@ -283,8 +283,11 @@ void applyCompression(const CommonFlags& f, int64_t trainSamples, int rank, DdpO
     ddp.compression = f.compress == "fp16" ? GradCompression::Fp16 : GradCompression::Bf16;
     return;
   }
-  ddp.compression = GradCompression::PowerSgd;
-  ddp.powerSgd.rank = f.compress.size() > 9 ? std::stoi(f.compress.substr(9)) : 1;
+  const bool autoChoice = f.compress == "auto";
+  ddp.compression = autoChoice ? GradCompression::Auto : GradCompression::PowerSgd;
+  if (!autoChoice) {
+    ddp.powerSgd.rank = CompressionSpec::parse(f.compress).rank;
+  }
   int64_t planned = f.maxSteps;
   if (trainSamples > 0 && f.globalBatch > 0) {
     const int64_t perEpoch = (trainSamples + f.globalBatch - 1) / f.globalBatch;
@@ -296,7 +299,11 @@ void applyCompression(const CommonFlags& f, int64_t trainSamples, int rank, DdpO
                 "--compress-start must be at least 2 with PowerSGD (its memories need DDP's "
                 "rebuilt buckets), got ",
                 ddp.powerSgd.startStep);
-  if (rank == 0) {
+  if (rank == 0 && autoChoice) {
+    std::printf("gradient compression: auto (if PowerSGD, from step %lld: %s)\n",
+                static_cast<long long>(ddp.powerSgd.startStep),
+                f.compressStart > 0 ? "--compress-start" : "10% of the planned steps");
+  } else if (rank == 0) {
     std::printf("gradient compression: PowerSGD rank %d from step %lld (%s)\n", ddp.powerSgd.rank,
                 static_cast<long long>(ddp.powerSgd.startStep),
                 f.compressStart > 0 ? "--compress-start" : "10% of the planned steps");

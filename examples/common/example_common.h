@@ -59,7 +59,7 @@ struct CommonFlags {
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
   double emulateLinkLatencyUs = 0;
-  std::string compress = "none";  // none, fp16, bf16, powersgd[:RANK]
+  std::string compress = "none";  // none, fp16, bf16, powersgd[:RANK], auto
   int64_t compressStart = 0;      // 0: 10% of the planned steps
   std::string emulateMemoryCap;
   std::string emulateMemory;

@@ -8,6 +8,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "hddp/balance/compression_model.h"
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/memory_model.h"
 #include "hddp/core/error.h"
@@ -19,9 +20,6 @@ using json = nlohmann::json;
 constexpr int64_t kNoCap = std::numeric_limits<int64_t>::max();
 constexpr double kMiB = 1024.0 * 1024.0;
 constexpr double kGiB = 1024.0 * kMiB;
-// Backward's share of a training step's compute (twice the forward's products).
-constexpr double kBackwardShare = 2.0 / 3.0;
-
 std::string format(const char* fmt, double a, double b = 0, double c = 0, double d = 0) {
   char buf[256];
   std::snprintf(buf, sizeof(buf), fmt, a, b, c, d);
@@ -43,6 +41,7 @@ struct Step {
   BatchPlan plan;
   double allreduce = 0.0;
   double exposed = 0.0;
+  double backward = 0.0;  // the slowest rank's, which the buckets go out during
   double slowestLinkBytesPerSecond = 0.0;
   double seconds = 0.0;
 };
@@ -59,17 +58,23 @@ double lastBucketBytes(double parameterBytes, const WhatIfSettings& s) {
   return rest - full * s.bucketBytes;
 }
 
-double exposedAllreduce(double allreduce, double backward, double parameterBytes,
-                        const WhatIfSettings& s) {
-  if (!(allreduce > 0)) {
-    return 0.0;
-  }
-  const double lastBucket = allreduce * lastBucketBytes(parameterBytes, s) / parameterBytes;
-  return std::max(allreduce - backward, lastBucket);
+// What the gradients put on the slowest link per step: the bytes, the share of them in
+// the last bucket (it cannot hide behind backward), and the compression's own compute.
+struct Traffic {
+  double wireBytes = 0.0;
+  double lastShare = 1.0;
+  double computeSeconds = 0.0;
+};
+
+Traffic plainTraffic(double parameterBytes, const WhatIfSettings& s) {
+  Traffic t;
+  t.wireBytes = parameterBytes;
+  t.lastShare = parameterBytes > 0 ? lastBucketBytes(parameterBytes, s) / parameterBytes : 1.0;
+  return t;
 }
 
 Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& local,
-             double parameterBytes, const WhatIfSettings& settings) {
+             const Traffic& traffic, const WhatIfSettings& settings) {
   Step s;
   s.plan.local = local;
   for (int64_t b : local) {
@@ -87,7 +92,7 @@ Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& loc
   if (settings.allreduceGBps > 0) {
     s.slowestLinkBytesPerSecond = settings.allreduceGBps * 1e9;
   }
-  s.allreduce = ringAllreduceSeconds(parameterBytes, static_cast<int>(costs.size()),
+  s.allreduce = ringAllreduceSeconds(traffic.wireBytes, static_cast<int>(costs.size()),
                                      s.slowestLinkBytesPerSecond);
   // The allreduce follows the slowest rank's backward: that is when its buckets fill.
   size_t slowest = 0;
@@ -96,16 +101,20 @@ Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& loc
       slowest = i;
     }
   }
-  const double backward =
+  s.backward =
       kBackwardShare * costs[slowest].secondsPerSample * static_cast<double>(local[slowest]);
-  s.exposed = exposedAllreduce(s.allreduce, backward, parameterBytes, settings);
+  s.exposed =
+      s.allreduce > 0 ? std::max(s.allreduce - s.backward, s.allreduce * traffic.lastShare) : 0.0;
+  if (costs.size() > 1) {
+    s.exposed += traffic.computeSeconds;
+  }
   s.seconds = s.plan.predictedStepSeconds + s.exposed;
   return s;
 }
 
-Step solvedStep(const std::vector<RankCost>& costs, int64_t globalBatch, double parameterBytes,
+Step solvedStep(const std::vector<RankCost>& costs, int64_t globalBatch, const Traffic& traffic,
                 const WhatIfSettings& settings) {
-  return stepFor(costs, solveSplit(costs, globalBatch).local, parameterBytes, settings);
+  return stepFor(costs, solveSplit(costs, globalBatch).local, traffic, settings);
 }
 
 // The whole batch on one device, in micro-batches its memory holds (accumulation).
@@ -184,6 +193,73 @@ std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelP
   return costs;
 }
 
+namespace {
+
+// What WhatIfSettings::compression sends, priced on the mix (for "auto", each candidate
+// priced and chosen as the Trainer does); the choice is recorded in `r`.
+Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCost>& costs,
+                      const ModelProfile& p, const WhatIfSettings& s, WhatIfResult& r) {
+  const bool choose = s.compression == "auto";
+  std::vector<CompressionSpec> specs =
+      choose ? autoCandidates(p.amp)
+             : std::vector<CompressionSpec>{CompressionSpec::parse(s.compression, "what-if")};
+  GradientLayout layout;
+  layout.shapes = p.gradientShapes;
+  layout.firstBucketBytes = s.firstBucketBytes;
+  layout.bucketCapBytes = s.bucketBytes;
+  std::vector<CompressionCost> priced;
+  std::vector<Traffic> traffics;
+  LinkBudget link;
+  link.ranks = static_cast<int>(mix.size());
+  for (const auto& spec : specs) {
+    Traffic t = plainTraffic(p.parameterBytes, s);
+    CompressionCost c;
+    c.spec = spec;
+    c.wireBytes = p.parameterBytes;
+    if (spec.kind == CompressionSpec::Kind::Fp16 || spec.kind == CompressionSpec::Kind::Bf16) {
+      c.wireBytes = t.wireBytes = p.parameterBytes / 2.0;
+    } else if (spec.kind == CompressionSpec::Kind::PowerSgd) {
+      HDDP_CHECK_AS(ConfigError, !p.gradientShapes.empty(), "what-if: pricing PowerSGD needs ",
+                    "the gradients' shapes, and the profile of ", p.model,
+                    " has none (a profile saved before they were recorded): profile the model "
+                    "again (--model, or --save-profile to keep it)");
+      c = compressionTraffic(spec, layout);
+      t.wireBytes = c.wireBytes;
+      t.lastShare = layout.lastBucketShare();
+      // Its arithmetic at the products' share of each card's fp32 peak plus its passes
+      // over device memory; the slowest card of the mix holds the others up.
+      for (const auto& e : mix) {
+        t.computeSeconds =
+            std::max(t.computeSeconds, c.flops / (e.device.fp32Tflops * 1e12 * s.efficiency) +
+                                           c.memoryBytes / (e.device.memoryGBps * 1e9));
+      }
+    }
+    const Step step = solvedStep(costs, s.globalBatch, t, s);
+    c.allreduceSeconds = step.allreduce;
+    c.computeSeconds = mix.size() > 1 ? t.computeSeconds : 0.0;
+    c.exposedSeconds = step.exposed;
+    c.hidden = step.allreduce + c.computeSeconds <= step.backward;
+    link.bytesPerSecond = step.slowestLinkBytesPerSecond;
+    link.backwardSeconds = step.backward;
+    priced.push_back(c);
+    traffics.push_back(t);
+  }
+  const CompressionDecision d = chooseCompression(priced, link);
+  r.compression = d.chosen;
+  if (choose) {
+    r.compressionCandidates = d.candidates;
+    r.compressionWhy = d.why;
+  }
+  for (size_t k = 0; k < priced.size(); ++k) {
+    if (priced[k].spec.name() == d.chosen.spec.name()) {
+      return traffics[k];
+    }
+  }
+  return traffics.front();
+}
+
+}  // namespace
+
 WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
                         const WhatIfSettings& s, const DeviceTable& table) {
   const std::vector<RankCost> costs = whatIfCosts(mix, p, s, table);
@@ -197,7 +273,8 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
                 ": lower --global-batch, use --amp, or add a device");
 
   WhatIfResult r;
-  const Step step = solvedStep(costs, B, p.parameterBytes, s);
+  const Traffic traffic = chooseTraffic(mix, costs, p, s, r);
+  const Step step = solvedStep(costs, B, traffic, s);
   r.plan = step.plan;
   r.allreduceSeconds = step.allreduce;
   r.exposedAllreduceSeconds = step.exposed;
@@ -232,7 +309,7 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
   }
   if (overflow.empty()) {
     r.equalSplitSamplesPerSecond =
-        static_cast<double>(B) / stepFor(costs, equal.local, p.parameterBytes, s).seconds;
+        static_cast<double>(B) / stepFor(costs, equal.local, traffic, s).seconds;
   }
   for (size_t i = 0; i < costs.size(); ++i) {
     const double alone = aloneSamplesPerSecond(costs[i], B);
@@ -262,9 +339,9 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
       rest.erase(rest.begin() + static_cast<std::ptrdiff_t>(i));
       double restRate = 0.0;
       try {
-        restRate = static_cast<double>(B) /
-                   (rest.size() == 1 ? B / aloneSamplesPerSecond(rest[0], B)
-                                     : solvedStep(rest, B, p.parameterBytes, s).seconds);
+        restRate =
+            static_cast<double>(B) / (rest.size() == 1 ? B / aloneSamplesPerSecond(rest[0], B)
+                                                       : solvedStep(rest, B, traffic, s).seconds);
       } catch (const ConfigError&) {
         restRate = 0.0;  // the others cannot hold the batch
       }
@@ -293,7 +370,7 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
     }
     std::vector<RankCost> better = costs;
     better[i].linkBytesPerSecond = mix.size() > 1 ? fastestLink : 0.0;
-    const double ideal = solvedStep(better, B, p.parameterBytes, s).seconds;
+    const double ideal = solvedStep(better, B, traffic, s).seconds;
     const double t = c.transferSecondsPerSample();
     std::string line =
         "with this model the " + mix[i].link.key + " link of the " + mix[i].device.key + " costs " +
@@ -315,6 +392,23 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
           r.allreduceSeconds * 1e3, r.exposedAllreduceSeconds * 1e3);
     }
     advice.push_back(line);
+  }
+  // Gradient compression: what the choice saves against the plain allreduce.
+  if (mix.size() > 1 && r.compression.spec.kind != CompressionSpec::Kind::None) {
+    const double plain =
+        static_cast<double>(B) / solvedStep(costs, B, plainTraffic(p.parameterBytes, s), s).seconds;
+    advice.push_back(
+        "with " + r.compression.spec.name() +
+        format(" compression the allreduce carries %.3g MB per step instead of %.3g MB, "
+               "%.1f ms of it exposed and %.1f ms of compression compute: ",
+               r.compression.wireBytes / 1e6, p.parameterBytes / 1e6,
+               (r.compression.exposedSeconds - r.compression.computeSeconds) * 1e3,
+               r.compression.computeSeconds * 1e3) +
+        format("%.0f samples/s, ", r.samplesPerSecond) + compared(r.samplesPerSecond, plain) +
+        format(" the plain allreduce's %.0f", plain));
+  }
+  if (!r.compressionWhy.empty()) {
+    advice.push_back("--compress auto would choose " + r.compressionWhy);
   }
   for (size_t i = 0; i < mix.size(); ++i) {
     const auto fit = memoryFit(mix[i].device, p, s);
@@ -368,6 +462,9 @@ std::string ModelProfile::toJson() const {
             {"parameter_bytes", parameterBytes},
             {"input_bytes_per_sample", inputBytesPerSample},
             {"amp", ampModeName(amp)}};
+  if (!gradientShapes.empty()) {
+    j["gradient_shapes"] = gradientShapes;
+  }
   if (!calibratedOn.empty()) {
     j["calibration"] = {{"device", calibratedOn},
                         {"seconds_per_sample", calibratedSecondsPerSample},
@@ -404,6 +501,21 @@ ModelProfile ModelProfile::fromJson(const std::string& text, const std::string& 
     p.amp = parseAmpMode(j["amp"].get<std::string>());
   } catch (const ConfigError& e) {
     HDDP_THROW(ConfigError, origin, ": ", e.what());
+  }
+  if (j.contains("gradient_shapes")) {
+    const json& g = j["gradient_shapes"];
+    bool valid = g.is_array();
+    for (size_t k = 0; valid && k < g.size(); ++k) {
+      valid = g[k].is_array();
+      for (size_t d = 0; valid && d < g[k].size(); ++d) {
+        valid = g[k][d].is_number_integer() && g[k][d].get<int64_t>() >= 0;
+      }
+      if (valid) {
+        p.gradientShapes.push_back(g[k].get<std::vector<int64_t>>());
+      }
+    }
+    HDDP_CHECK_AS(ConfigError, valid, origin,
+                  ": gradient_shapes must be a list of shapes, each a list of sizes >= 0");
   }
   if (j.contains("calibration")) {
     const json& c = j["calibration"];

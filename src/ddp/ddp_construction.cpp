@@ -22,6 +22,9 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
              options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
   HDDP_CHECK(options_.bufferSyncInterval >= 1, "DdpOptions::bufferSyncInterval must be >= 1, got ",
              options_.bufferSyncInterval);
+  HDDP_CHECK_AS(ConfigError, options_.compression != GradCompression::Auto,
+                "DdpOptions::compression Auto is resolved by the Trainer; a DistributedDataParallel "
+                "of your own takes a choice (hddp::chooseCompression prices them for a link)");
   HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
                 "DdpOptions: set either compression or commHook, not both (compression is "
                 "a shorthand for commHook = compressedAllreduceHook(...))");

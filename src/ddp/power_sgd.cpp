@@ -7,7 +7,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <chrono>
+#include <limits>
 #include <random>
 
 #include "hddp/core/error.h"
@@ -471,6 +474,68 @@ CommHook powerSgdHook(std::shared_ptr<PowerSgdState> state) {
 
 CommHook powerSgdHook(PowerSgdOptions options) {
   return powerSgdHook(std::make_shared<PowerSgdState>(options));
+}
+
+double timePowerSgdCompute(const std::vector<std::vector<int64_t>>& shapes,
+                           const PowerSgdOptions& options, const c10::Device& device) {
+  HDDP_CHECK_AS(ConfigError, options.rank >= 1 && options.minCompressionRate > 0,
+                "timing PowerSGD needs a rank of at least 1 and a positive minimum compression "
+                "rate, got rank ",
+                options.rank, " and rate ", options.minCompressionRate);
+  const auto type = at::TensorOptions().dtype(at::kFloat).device(device);
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(options.randomSeed);
+  struct Matrix {
+    at::Tensor m, error, p, q;
+  };
+  std::vector<Matrix> matrices;
+  for (const auto& shape : shapes) {
+    if (shape.size() < 2) {
+      continue;  // 1-D gradients go whole
+    }
+    int64_t cols = 1;
+    for (size_t k = 1; k < shape.size(); ++k) {
+      cols *= shape[k];
+    }
+    const int64_t rows = shape[0];
+    const int64_t r = std::min<int64_t>({rows, cols, options.rank});
+    if (rows == 0 || cols == 0 ||
+        !(static_cast<double>((rows + cols) * r) * options.minCompressionRate <
+          static_cast<double>(rows * cols))) {
+      continue;
+    }
+    auto cpu = at::TensorOptions().dtype(at::kFloat);
+    matrices.push_back(Matrix{at::randn({1, rows, cols}, generator, cpu).to(type),
+                              at::zeros({1, rows, cols}, type), at::empty({1, rows, r}, type),
+                              at::randn({1, cols, r}, generator, cpu).to(type)});
+  }
+  if (matrices.empty()) {
+    return 0.0;
+  }
+  c10::impl::VirtualGuardImpl guard(device.type());
+  auto sync = [&] {
+    if (!device.is_cpu()) {
+      guard.synchronizeDevice(device.index());
+    }
+  };
+  double best = std::numeric_limits<double>::max();
+  for (int pass = 0; pass < 4; ++pass) {
+    sync();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (auto& x : matrices) {
+      at::Tensor input = x.m + x.error;  // error feedback in
+      orthogonalize(x.q, options.orthogonalizationEpsilon);
+      at::bmm_out(x.p, input, x.q);
+      orthogonalize(x.p, options.orthogonalizationEpsilon);
+      at::bmm_out(x.q, input.transpose(1, 2), x.p);
+      at::sub_out(x.error, input, at::bmm(x.p, x.q.transpose(1, 2)));
+    }
+    sync();
+    if (pass > 0) {
+      best = std::min(best,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  return best;
 }
 
 }  // namespace hddp

@@ -21,6 +21,7 @@ nlohmann::json Trainer::Impl::runConfig() const {
                    {"epochs", options_.epochs},
                    {"amp", ampModeName(options_.amp)},
                    {"balance", planner_ != nullptr},
+                   {"compression", compressionName_},
                    {"hddp", version()}};
   if (e.active()) {
     c["emulation"] = {{"slowdown", e.slowdown},

@@ -318,6 +318,9 @@ ModelProfile profileModel(const ForwardFn& forward, const std::vector<at::Tensor
   p.inputBytesPerSample = o.inputBytesPerSample > 0 ? o.inputBytesPerSample : 4.0 * sampleElements;
   for (const auto& t : parameters) {
     p.parameterBytes += static_cast<double>(t.numel()) * 4.0;
+    if (t.requires_grad()) {
+      p.gradientShapes.push_back(t.sizes().vec());
+    }
   }
 
   // A warm-up pass (one-time caches), then FLOPs at the smaller memory batch.

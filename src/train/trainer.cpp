@@ -183,7 +183,23 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
                     ")");
     }
   }
+  const EmulationOptions emulation =
+      options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
+  // The seed (before DDP: --compress auto chooses from it what DDP sends).
+  const bool seeded = options_.balance && options_.seedPlan;
+  const bool autoCompress = options_.ddp.compression == GradCompression::Auto;
+  std::vector<RankCost> seed;
+  if (seeded || autoCompress) {
+    seed = seedCosts(*train, emulation);
+  }
+  if (autoCompress) {
+    resolveCompression(seed, emulation);
+  }
+  if (seeded) {
+    predictAllreduce(seed);
+  }
   ddp_ = std::make_unique<DistributedDataParallel>(model_, comm_, options_.ddp);
+  compressionName_ = train::compressionName(options_.ddp);
   for (const auto& module : model_->modules(/*include_self=*/true)) {
     hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
   }
@@ -194,16 +210,10 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     HDDP_LOG_SHARED("train", comm.rank(),
                     "SyncBatchNorm: every rank gets at least one sample per step");
   }
-  const EmulationOptions emulation =
-      options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
   if (options_.balance) {
-    std::vector<RankCost> seed;
-    if (options_.seedPlan) {
-      seed = seedCosts(*train, emulation);
-      predictAllreduce(seed);
-    }
     planner_ = std::make_unique<BatchPlanner>(
-        comm_, PlannerOptions(options_.globalBatch, options_.planner), std::move(seed));
+        comm_, PlannerOptions(options_.globalBatch, options_.planner),
+        seeded ? std::move(seed) : std::vector<RankCost>{});
   }
   applyGivenMemoryCaps();
   GradScalerOptions so = options_.scaler;

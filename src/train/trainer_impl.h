@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "hddp/balance/compression_model.h"
 #include "hddp/train/timeline.h"
 #include "hddp/train/trainer.h"
 #include "train/elastic.h"
@@ -17,6 +18,11 @@
 #include "train/trainer_state.h"
 
 namespace hddp {
+
+namespace train {
+/// What `ddp` sends for the gradients: "none", "fp16", "bf16", "powersgd:R", "hook".
+std::string compressionName(const DdpOptions& ddp);
+}  // namespace train
 namespace train {
 
 /// Tells a step timer of a communicator's waits (Communicator::addWaitObserver).
@@ -89,6 +95,11 @@ class Trainer::Impl {
   std::vector<RankCost> seedCosts(const Dataset& data, const EmulationOptions& emulation);
   /// The allreduce term from the seed's links (predictedAllreduceSeconds_), logged.
   void predictAllreduce(const std::vector<RankCost>& seed);
+  /// The gradients DDP reduces: the model's parameters with gradients, DDP's buckets.
+  GradientLayout gradientLayout() const;
+  /// GradCompression::Auto made a choice (options_.ddp) from the seed's slowest link and
+  /// backward, and each rank's timed PowerSGD compute; logged with why.
+  void resolveCompression(const std::vector<RankCost>& seed, const EmulationOptions& emulation);
   /// The user's evaluation, timed; an empty result keeps the last one.
   std::map<std::string, double> evaluate();
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
@@ -125,6 +136,8 @@ class Trainer::Impl {
   // The gradients' ring allreduce over the slowest rank's link, predicted from the seed
   // (0: not predicted): a time per step that no split of the batch changes.
   double predictedAllreduceSeconds_ = 0;
+  // What DDP sends for the gradients ("none", "fp16", "powersgd:4"; the metrics' config).
+  std::string compressionName_;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;

@@ -1,7 +1,7 @@
 // The Trainer's seed before its first step (TrainerOptions::seedPlan): a timed forward
 // of this rank's model, the seed rule of hddp/balance/seed.h over every rank, the
-// gradients' allreduce predicted over the slowest link, and the memory caps given by
-// TrainerOptions::maxLocalBatch.
+// memory caps given by TrainerOptions::maxLocalBatch (the allreduce's prediction is in
+// trainer_compression.cpp).
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 
@@ -80,25 +80,6 @@ std::vector<RankCost> Trainer::Impl::seedCosts(const Dataset& data,
                 profile.external ? ", eGPU" : "", ")",
                 mine.transferOverlapped ? ", copies overlap compute" : "");
   return exchangeSeedCosts(comm_, mine);
-}
-
-void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
-  double bytes = 0.0;
-  for (const auto& p : uniqueParameters(*model_)) {
-    if (p.requires_grad()) {
-      bytes += static_cast<double>(p.numel()) * static_cast<double>(p.element_size());
-    }
-  }
-  const AllreducePrediction p = hddp::predictAllreduce(seed, bytes);
-  predictedAllreduceSeconds_ = p.seconds;
-  if (predictedAllreduceSeconds_ > 0) {
-    HDDP_LOG_SHARED("balance", comm_.rank(), "gradient allreduce: ", bytes / 1e6,
-                    " MB over the slowest link (rank ", p.slowestRank, ", ",
-                    p.slowestLinkBytesPerSecond / 1e9, " GB/s) takes ",
-                    predictedAllreduceSeconds_ * 1e3,
-                    " ms per step (ring model); no split changes it, backward hides part of it "
-                    "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");
-  }
 }
 
 void Trainer::Impl::applyGivenMemoryCaps() {

@@ -270,6 +270,8 @@ TEST(ModelProfile, ActivationMemoryAndParametersComeFromTheModel) {
                                     net->parameters(), o);
   EXPECT_DOUBLE_EQ(p.parameterBytes, 4.0 * (1000 * 1000 + 1000 + 1000 * 10 + 10));
   EXPECT_DOUBLE_EQ(p.inputBytesPerSample, 4000.0);
+  EXPECT_EQ(p.gradientShapes,
+            (std::vector<std::vector<int64_t>>{{1000, 1000}, {1000}, {10, 1000}, {10}}));
   EXPECT_DOUBLE_EQ(p.forwardFlopsPerSample, 2.0 * (1000 * 1000 + 1000 * 10));
   // Backward: the first layer's weight only, the second's weight and input.
   EXPECT_DOUBLE_EQ(p.trainFlopsPerSample, 2.0 * (2 * 1000 * 1000 + 3 * 1000 * 10));
@@ -385,3 +387,77 @@ TEST(WhatIf, UncalibratedPredictionsMatchPublishedFigures) {
 }
 
 }  // namespace
+
+namespace {
+
+// The golden profile's 1e8 bytes as five 5000 x 1000 weights (20 MB each).
+hddp::ModelProfile goldenWithShapes() {
+  auto p = goldenProfile();
+  p.gradientShapes.assign(5, {5000, 1000});
+  return p;
+}
+
+}  // namespace
+
+// The golden case (fast@wide, slow@narrow; compute 83 ms, backward 52 ms) with the
+// gradients compressed, by hand:
+//   fp16        50 MB over 1 GB/s: 50 ms, within backward; the last bucket (20.3 MB of
+//               the 100, as before) shows: 10.15 ms exposed, a step of 93.15 ms
+//   powersgd:4  each 5000 x 1000 weight sends (5000 + 1000) x 4 floats: 0.48 MB, 0.48 ms;
+//               buckets of 1, 2 and 2 weights, the last 40%: 0.192 ms exposed; compute on
+//               the slow card (the slower of the two): 5 x (3 x 2 x 5000 x 1000 x 4 +
+//               2 x 5000 x 16) FLOPs / (5 TFLOPS x 0.5) = 0.24032 ms, plus 8 passes over
+//               the 1e8 bytes / 50 GB/s = 16 ms; a step of 83 + 0.192 + 16.24032 ms
+//   auto        none (100 ms) does not fit in backward, fp16 (50 ms) does: fp16
+TEST(WhatIf, CompressionIsPricedByItsBytesAndItsCompute) {
+  const auto table = goldenTable();
+  const auto mix = table.parseMix("fast@wide,slow@narrow");
+  auto s = goldenSettings();
+  s.compression = "fp16";
+  const auto fp16 = hddp::predictMix(mix, goldenProfile(), s, table);
+  EXPECT_NEAR(fp16.allreduceSeconds, 0.050, 1e-9);
+  EXPECT_NEAR(fp16.exposedAllreduceSeconds, 0.0101541120, 1e-9);
+  EXPECT_NEAR(fp16.stepSeconds, 0.0931541120, 1e-9);
+  EXPECT_EQ(fp16.compression.spec.name(), "fp16");
+  EXPECT_TRUE(hasAdvice(fp16, "with fp16 compression the allreduce carries 50 MB per step "
+                              "instead of 100 MB"))
+      << adviceText(fp16);
+
+  s.compression = "powersgd:4";
+  const auto psgd = hddp::predictMix(mix, goldenWithShapes(), s, table);
+  EXPECT_NEAR(psgd.compression.wireBytes, 480000.0, 1e-6);
+  EXPECT_NEAR(psgd.allreduceSeconds, 0.00048, 1e-12);
+  EXPECT_NEAR(psgd.compression.computeSeconds, 0.00024032 + 0.016, 1e-12);
+  EXPECT_NEAR(psgd.stepSeconds, 0.083 + 0.000192 + 0.01624032, 1e-9);
+
+  s.compression = "auto";
+  const auto chosen = hddp::predictMix(mix, goldenWithShapes(), s, table);
+  EXPECT_EQ(chosen.compression.spec.name(), "fp16");
+  ASSERT_EQ(chosen.compressionCandidates.size(), 4u);
+  EXPECT_NEAR(chosen.stepSeconds, fp16.stepSeconds, 1e-12);
+  EXPECT_TRUE(hasAdvice(chosen, "--compress auto would choose fp16")) << adviceText(chosen);
+
+  // PowerSGD without the shapes cannot be priced, and the error says how to get them.
+  s.compression = "powersgd";
+  try {
+    hddp::predictMix(mix, goldenProfile(), s, table);
+    FAIL() << "no error";
+  } catch (const hddp::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("profile the model again"), std::string::npos)
+        << e.what();
+  }
+  s.compression = "lz4";
+  EXPECT_THROW(hddp::predictMix(mix, goldenProfile(), s, table), hddp::ConfigError);
+}
+
+TEST(WhatIf, AProfileKeepsItsGradientShapes) {
+  const auto p = goldenWithShapes();
+  const auto q = hddp::ModelProfile::fromJson(p.toJson(), "p.json");
+  EXPECT_EQ(q.gradientShapes, p.gradientShapes);
+  std::string bad = p.toJson();
+  bad.replace(bad.find("5000"), 4, "-500");
+  EXPECT_THROW(hddp::ModelProfile::fromJson(bad, "p.json"), hddp::ConfigError);
+  // A profile without them (saved before they were recorded) still reads.
+  EXPECT_TRUE(hddp::ModelProfile::fromJson(goldenProfile().toJson(), "p.json")
+                  .gradientShapes.empty());
+}

@@ -410,6 +410,15 @@ TEST(Ddp, CommHookSeesEveryBucketInOrderAndItsResultIsUsed) {
     both.compression = hddp::GradCompression::Bf16;
     Mlp other;
     EXPECT_THROW(hddp::DistributedDataParallel(other, *comm, both), hddp::ConfigError);
+    // Auto is the Trainer's to resolve: DDP alone refuses it, saying so.
+    hddp::DdpOptions automatic;
+    automatic.compression = hddp::GradCompression::Auto;
+    try {
+      hddp::DistributedDataParallel(other, *comm, automatic);
+      ADD_FAILURE() << "Auto was accepted";
+    } catch (const hddp::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("chooseCompression"), std::string::npos) << e.what();
+    }
   });
 }
 

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "hddp/balance/compression_model.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
@@ -345,6 +346,45 @@ TEST(PowerSgd, LowRankApproximatesAndErrorFeedbackCatchesUp) {
       EXPECT_LT(accumulated, firstRelative)
           << "with error feedback the sum over steps is closer than one step";
     });
+  }
+}
+
+// The compression model that --compress auto and what-if price PowerSGD with
+// (hddp/balance/compression_model.h) counts the elements the hook sends: matrices worth
+// compressing as P and Q, the others (a small matrix, biases) whole.
+TEST(PowerSgd, TheCompressionModelCountsWhatTheHookSends) {
+  const std::vector<std::vector<int64_t>> shapes = {{48, 40}, {48}, {6, 40}, {6}, {3, 4, 5}};
+  for (int rank : {1, 3}) {
+    std::shared_ptr<hddp::PowerSgdState> state;
+    runThreads(2, [&](int r, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, r, size);
+      hddp::PowerSgdOptions o;
+      o.rank = rank;
+      o.startStep = 2;
+      auto mine = std::make_shared<hddp::PowerSgdState>(o);
+      const hddp::CommHook hook = hddp::powerSgdHook(mine);
+      int64_t numel = 0;
+      for (const auto& shape : shapes) {
+        numel += c10::multiply_integers(shape);
+      }
+      for (int step = 0; step < 5; ++step) {
+        std::vector<hddp::GradBucket> buckets{makeBucket(0, true, shapes, at::randn({numel}))};
+        runStep(hook, *comm, buckets);
+      }
+      if (r == 0) {
+        state = mine;
+      }
+    });
+    hddp::GradientLayout layout;
+    layout.shapes = shapes;
+    hddp::CompressionSpec spec;
+    spec.kind = hddp::CompressionSpec::Kind::PowerSgd;
+    spec.rank = rank;
+    const auto traffic = hddp::compressionTraffic(spec, layout);
+    ASSERT_TRUE(state);
+    EXPECT_EQ(state->elementsBefore(), 3 * (layout.bytes() / 4)) << "three compressed steps";
+    EXPECT_DOUBLE_EQ(static_cast<double>(state->elementsAfter()), 3 * traffic.wireBytes / 4)
+        << "rank " << rank;
   }
 }
 

@@ -726,3 +726,89 @@ TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
 }
 
 }  // namespace
+
+namespace {
+
+struct AutoRun {
+  std::string chosen;           // the metrics' config
+  bool powerSgdState = false;   // DDP built with PowerSGD
+  std::vector<double> waits;    // rank 0's comm_wait_s from step 3 on
+  double predicted = 0.0;       // allreduce_predicted_s
+};
+
+// Two ranks of a 64 -> 4096 linear layer (1.05 MB of gradients in one bucket, so the
+// allreduce cannot hide; a forward of 0.5 ms a sample, so backward is ~4 ms of the local
+// batch of 4) under --compress auto, over an emulated link of `link` bytes/s.
+AutoRun runAuto(double link) {
+  const std::string dir = hddp::testing::makeTempDir();
+  AutoRun out;
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::manual_seed(7);
+    at::set_num_threads(1);
+    torch::nn::Linear model(64, 4096);
+    torch::optim::SGD opt(model->parameters(), 0.01);
+    hddp::TrainerOptions o;
+    o.globalBatch = 8;
+    o.maxSteps = 12;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 1;
+    o.metricsPath = dir + "/m.jsonl";
+    o.ddp.compression = hddp::GradCompression::Auto;
+    o.ddp.powerSgd.startStep = 2;
+    hddp::EmulationOptions e;
+    e.linkBytesPerSecond = link;
+    e.collectiveBytesPerSecond = link;
+    o.emulation = e;
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(8 * 12, 1, 8, 4096);
+    hddp::Trainer trainer(
+        *comm, model.ptr(),
+        [model](const at::Tensor& x) mutable {
+          // 0.5 ms a sample (a sleep: the ranks share two cores): a backward to hide behind.
+          std::this_thread::sleep_for(std::chrono::microseconds(500 * x.size(0)));
+          return model->forward(x.flatten(1));
+        },
+        hddp::crossEntropy(), opt, ds, o);
+    trainer.fit();
+    if (rank == 0) {
+      out.powerSgdState = trainer.ddp().powerSgdState() != nullptr;
+    }
+  });
+  std::ifstream in(dir + "/m.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.value("kind", "") == "config") {
+      out.chosen = j.value("compression", "");
+    } else if (j.value("kind", "") == "step" && j.value("step", 0) >= 3) {
+      out.waits.push_back(j.at("comm_wait_s").get<double>());
+      out.predicted = j.value("allreduce_predicted_s", 0.0);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// --compress auto prices the choices over the job's slowest link against the backward
+// they can hide behind: on a link where the plain allreduce (1.05 MB at 2 MB/s: 525 ms)
+// dwarfs backward it takes PowerSGD, whose allreduce the Trainer predicts from the bytes
+// it sends, and the measured wait over the emulated link is that prediction; on a link
+// that carries the gradients in well under backward it keeps the plain allreduce.
+TEST(StepTiming, CompressAutoTakesPowerSgdOnASlowLinkAndItsWaitIsThePrediction) {
+  AutoRun slow = runAuto(2e6);
+  EXPECT_EQ(slow.chosen.rfind("powersgd:", 0), 0u) << slow.chosen;
+  EXPECT_TRUE(slow.powerSgdState);
+  ASSERT_GE(slow.waits.size(), 8u);
+  std::sort(slow.waits.begin(), slow.waits.end());
+  const double median = slow.waits[slow.waits.size() / 2];
+  std::printf("auto over 2 MB/s: %s, median comm_wait_s %.1f ms, predicted %.1f ms\n",
+              slow.chosen.c_str(), median * 1e3, slow.predicted * 1e3);
+  // The compressed bytes (rank 1: 33 kB; rank 4: 83 kB) and DDP's status, not 1.05 MB.
+  EXPECT_GT(slow.predicted, 0.0);
+  EXPECT_LT(slow.predicted, 0.1 * 1.05e6 / 2e6);
+  EXPECT_NEAR(median, slow.predicted, 0.25 * slow.predicted + 2e-3);
+
+  const AutoRun fast = runAuto(10e9);
+  EXPECT_EQ(fast.chosen, "none");
+  EXPECT_FALSE(fast.powerSgdState);
+}

@@ -150,6 +150,70 @@ int showJob(const std::string& dir, bool asJson) {
   return 0;
 }
 
+// --compress on this node: each choice (or the given one) priced over the slowest link
+// against the backward of the seed split, PowerSGD's compute timed on every rank's
+// device, as the trainers' --compress auto does; the lines go to the advice.
+json priceCompression(const ProbePlan& p, const ProbeOptions& o, const hddp_probe::WhatIfOptions& w,
+                      std::vector<std::string>& advice) {
+  const bool choose = w.settings.compression == "auto";
+  const std::vector<hddp::CompressionSpec> specs =
+      choose ? hddp::autoCandidates(hddp::AmpMode::Off)
+             : std::vector<hddp::CompressionSpec>{
+                   hddp::CompressionSpec::parse(w.settings.compression)};
+  bool needShapes = false;
+  for (const auto& s : specs) {
+    needShapes = needShapes || s.kind == hddp::CompressionSpec::Kind::PowerSgd;
+  }
+  hddp::GradientLayout layout;
+  if (needShapes) {
+    layout.shapes = hddp_probe::gradientShapesOf(w);
+  } else {
+    layout.shapes = {{static_cast<int64_t>(o.paramBytes / 4)}};  // bytes are all that count
+  }
+  HDDP_CHECK_AS(hddp::ConfigError, layout.bytes() > 0,
+                "--compress needs the gradients' size: --param-bytes, or --model / --profile");
+  hddp::LinkBudget link;
+  link.ranks = static_cast<int>(p.costs.size());
+  link.bytesPerSecond = hddp::predictAllreduce(p.costs, layout.bytes()).slowestLinkBytesPerSecond;
+  for (size_t r = 0; r < p.costs.size(); ++r) {
+    link.backwardSeconds =
+        std::max(link.backwardSeconds, hddp::kBackwardShare * p.costs[r].secondsPerSample *
+                                           static_cast<double>(p.plan.local[r]));
+  }
+  std::vector<hddp::CompressionCost> priced;
+  for (const auto& spec : specs) {
+    double compute = 0.0;
+    if (spec.kind == hddp::CompressionSpec::Kind::PowerSgd && link.ranks > 1) {
+      hddp::PowerSgdOptions po;
+      po.rank = spec.rank;
+      for (const auto& d : p.rankDevices) {
+        compute = std::max(compute, hddp::timePowerSgdCompute(layout.shapes, po, d));
+      }
+    }
+    priced.push_back(
+        hddp::priceCompression(hddp::compressionTraffic(spec, layout), layout, link, compute));
+  }
+  const hddp::CompressionDecision d = hddp::chooseCompression(priced, link);
+  json candidates = json::array();
+  for (const auto& c : d.candidates) {
+    candidates.push_back({{"choice", c.spec.name()},
+                          {"wire_bytes", c.wireBytes},
+                          {"allreduces", c.messages},
+                          {"allreduce_s", c.allreduceSeconds},
+                          {"compute_s", c.computeSeconds},
+                          {"exposed_s", c.exposedSeconds},
+                          {"hidden", c.hidden}});
+    advice.push_back("--compress " + c.describe());
+  }
+  if (choose) {
+    advice.push_back("--compress auto would choose " + d.why);
+  }
+  return {{"chosen", d.chosen.spec.name()},
+          {"why", choose ? json(d.why) : json(nullptr)},
+          {"backward_s", link.backwardSeconds},
+          {"candidates", candidates}};
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -244,6 +308,9 @@ int run(int argc, char** argv) {
                  {"equal_split_predicted_step_s", hddp::predictedSeconds(p.costs, p.equal.local)},
                  {"slowest_link_GBps", p.slowestLinkBytesPerSecond / 1e9},
                  {"allreduce_s", p.allreduceSeconds}};
+  if (w.settings.compression != "none") {
+    out["plan"]["compression"] = priceCompression(p, o, w, advice);
+  }
   json env = json::array();
   for (const auto& s : hddp::env::describe()) {
     env.push_back({{"name", s.name}, {"value", s.value}, {"set_by", s.setBy}});

@@ -162,6 +162,28 @@ std::string capText(int64_t cap) {
   return cap == std::numeric_limits<int64_t>::max() ? "-" : std::to_string(cap);
 }
 
+json costJson(const hddp::CompressionCost& c) {
+  return {{"choice", c.spec.name()},
+          {"wire_bytes", c.wireBytes},
+          {"allreduces", c.messages},
+          {"allreduce_s", c.allreduceSeconds},
+          {"compute_s", c.computeSeconds},
+          {"exposed_s", c.exposedSeconds},
+          {"hidden", c.hidden}};
+}
+
+json compressionJson(const hddp::WhatIfResult& r) {
+  json j = costJson(r.compression);
+  if (!r.compressionCandidates.empty()) {
+    j["candidates"] = json::array();
+    for (const auto& c : r.compressionCandidates) {
+      j["candidates"].push_back(costJson(c));
+    }
+    j["why"] = r.compressionWhy;
+  }
+  return j;
+}
+
 json toJson(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const WhatIfOptions& o) {
   json devices = json::array();
   for (const auto& d : r.devices) {
@@ -190,6 +212,7 @@ json toJson(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const What
       {"uncertainty", p.calibratedOn.empty() ? json(o.settings.uncertainty) : json(nullptr)},
       {"devices", devices},
       {"split", r.plan.local},
+      {"compression", compressionJson(r)},
       {"allreduce_s", r.allreduceSeconds},
       {"exposed_allreduce_s", r.exposedAllreduceSeconds},
       {"slowest_link_GBps", r.slowestLinkGBps},
@@ -238,10 +261,18 @@ void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const 
   }
   if (r.allreduceSeconds > 0) {
     std::printf(
-        "  allreduce: %.1f MB of gradients over the slowest link (%.1f GB/s, ring): "
-        "%.2f ms, %.2f ms exposed after backward\n",
-        p.parameterBytes / 1e6, r.slowestLinkGBps, r.allreduceSeconds * 1e3,
-        r.exposedAllreduceSeconds * 1e3);
+        "  allreduce: %.1f MB of gradients (%.3g MB on the wire, %s) over the slowest link "
+        "(%.1f GB/s, ring): %.2f ms, %.2f ms exposed after backward",
+        p.parameterBytes / 1e6, r.compression.wireBytes / 1e6, r.compression.spec.name().c_str(),
+        r.slowestLinkGBps, r.allreduceSeconds * 1e3,
+        (r.exposedAllreduceSeconds - r.compression.computeSeconds) * 1e3);
+    if (r.compression.computeSeconds > 0) {
+      std::printf(", %.2f ms of compression compute", r.compression.computeSeconds * 1e3);
+    }
+    std::printf("\n");
+  }
+  for (const auto& c : r.compressionCandidates) {
+    std::printf("  --compress %s\n", c.describe().c_str());
   }
   std::printf("  predicted: %.2f ms a step, %.0f samples/s", r.stepSeconds * 1e3,
               r.samplesPerSecond);
@@ -414,7 +445,35 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
                  "host over loopback), GB/s; default: the slowest device link")
       ->check(hddp::cli::nonNegative())
       ->group(g);
+  app.add_option("--compress", w.settings.compression,
+                 "Gradient compression to price: none, fp16, bf16, powersgd[:RANK], or auto "
+                 "(each priced, and the one the trainers' --compress auto would choose)")
+      ->check([](const std::string& v) -> std::string {
+        if (v == "auto") {
+          return {};
+        }
+        try {
+          hddp::CompressionSpec::parse(v);
+          return {};
+        } catch (const hddp::ConfigError& e) {
+          return e.what();
+        }
+      })
+      ->capture_default_str()
+      ->group(g);
   app.add_option("--svg", w.svg, "Also draw each device's time per step as an SVG chart")->group(g);
+}
+
+std::vector<std::vector<int64_t>> gradientShapesOf(const WhatIfOptions& o) {
+  HDDP_CHECK_AS(hddp::ConfigError,
+                !o.model.empty() || !o.modelFile.empty() || !o.profileFile.empty(),
+                "--compress powersgd or auto prices PowerSGD from the gradients' shapes: name "
+                "the model with --model (resnet9 ... resnet50, unet), --model-file or --profile");
+  const auto shapes = loadProfile(o, hddp::DeviceTable::builtIn()).gradientShapes;
+  HDDP_CHECK_AS(hddp::ConfigError, !shapes.empty(), "the profile ", o.profileFile,
+                " has no gradient shapes (saved before they were recorded): profile the model "
+                "again with --model and --save-profile");
+  return shapes;
 }
 
 int runWhatIf(const WhatIfOptions& o) {

@@ -2,7 +2,9 @@
 // (hddp/balance/what_if.h), as a table, JSON and an SVG chart.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hddp/balance/what_if.h"
 
@@ -37,5 +39,9 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& options);
 
 /// Runs --what-if (or --list-devices); returns the exit code.
 int runWhatIf(const WhatIfOptions& options);
+
+/// The gradients' shapes of --model, --model-file or --profile (the node probe's
+/// --compress prices PowerSGD from them); ConfigError when none is given.
+std::vector<std::vector<int64_t>> gradientShapesOf(const WhatIfOptions& options);
 
 }  // namespace hddp_probe

@@ -42,6 +42,7 @@
 
 #include "hddp/amp/amp_mode.h"
 #include "hddp/balance/batch_plan.h"
+#include "hddp/balance/compression_model.h"
 #include "hddp/balance/device_table.h"
 
 namespace hddp {
@@ -61,6 +62,9 @@ struct ModelProfile {
   double parameterBytes = 0.0;
   /// What the loader moves to the device per sample.
   double inputBytesPerSample = 0.0;
+  /// The shape of each parameter's gradient, in the parameters' order (what PowerSGD
+  /// compresses; empty in a profile saved before they were recorded).
+  std::vector<std::vector<int64_t>> gradientShapes;
   AmpMode amp = AmpMode::Off;
   /// A calibration: the table key of the device it ran on ("" = none), and the training
   /// step it measured there as fixed + perSample x b.
@@ -111,6 +115,10 @@ struct WhatIfSettings {
   /// The bandwidth the gradient ring runs at when it is not the slowest device link
   /// (GB/s; cards joined by NVLink, ranks of one host over loopback); 0 = that link.
   double allreduceGBps = 0.0;
+  /// What DDP sends for the gradients: none, fp16, bf16, powersgd[:R] (priced by
+  /// hddp/balance/compression_model.h, PowerSGD's compute from the table's fp32 peak at
+  /// `efficiency` and its memory bandwidth), or auto (each priced, the Trainer's choice).
+  std::string compression = "none";
 };
 
 /// One device of a predicted mix.
@@ -132,7 +140,12 @@ struct WhatIfResult {
   double allreduceSeconds = 0.0;  // the whole ring allreduce of the gradients
   double exposedAllreduceSeconds = 0.0;
   double slowestLinkGBps = 0.0;
-  double stepSeconds = 0.0;  // slowest device + exposed allreduce
+  double stepSeconds = 0.0;  // slowest device + exposed allreduce (+ compression compute)
+  /// The compression priced (WhatIfSettings::compression, or auto's choice); with auto,
+  /// every candidate and why the choice won.
+  CompressionCost compression;
+  std::vector<CompressionCost> compressionCandidates;
+  std::string compressionWhy;
   double samplesPerSecond = 0.0;
   /// PyTorch DDP's equal split on the same mix; 0 when a share exceeds a device's memory.
   double equalSplitSamplesPerSecond = 0.0;

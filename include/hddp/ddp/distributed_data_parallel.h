@@ -84,6 +84,11 @@ enum class GradCompression {
   /// PowerSGD low-rank compression with error feedback (hddp/ddp/power_sgd.h), with
   /// DdpOptions::powerSgd; its state is DistributedDataParallel::powerSgdState().
   PowerSgd,
+  /// The Trainer picks one of the above from the slowest link and the backward time it
+  /// can hide behind, and logs why (hddp/balance/compression_model.h). The Trainer
+  /// resolves it before it builds DDP; DistributedDataParallel itself rejects it (call
+  /// chooseCompression and set the choice).
+  Auto,
 };
 
 struct DdpOptions {

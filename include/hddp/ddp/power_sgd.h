@@ -33,6 +33,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -114,5 +115,13 @@ class PowerSgdState {
 CommHook powerSgdHook(std::shared_ptr<PowerSgdState> state);
 /// The PowerSGD hook with a state of its own.
 CommHook powerSgdHook(PowerSgdOptions options = {});
+
+/// Seconds the hook's own arithmetic takes on `device` for gradients of `shapes` (one per
+/// parameter) under `options` (rank, minimum compression rate): for each gradient it
+/// compresses, error feedback in, P = M Q, the orthogonalisation, Q = M^T P and the error
+/// left by P Q^T, on random data in float32; the fastest of three after a warm-up. What
+/// `--compress auto` prices PowerSGD's compute with (hddp/balance/compression_model.h).
+double timePowerSgdCompute(const std::vector<std::vector<int64_t>>& shapes,
+                           const PowerSgdOptions& options, const c10::Device& device);
 
 }  // namespace hddp

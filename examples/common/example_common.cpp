@@ -112,8 +112,10 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
         try {
           CompressionSpec::parse(v);
           return {};
-        } catch (const ConfigError& e) {
-          return e.what();
+        } catch (const ConfigError&) {
+          return "'" + v +
+                 "' is not none, fp16, bf16, powersgd, powersgd:RANK (RANK a whole "
+                 "number from 1) or auto";
         }
       });
   app.add_option("--compress-start", f.compressStart,

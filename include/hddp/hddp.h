@@ -4,6 +4,7 @@
 #include "hddp/amp/amp_mode.h"
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/batch_plan.h"
+#include "hddp/balance/compression_model.h"
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/device_table.h"
 #include "hddp/balance/emulation.h"

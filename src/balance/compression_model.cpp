@@ -53,7 +53,8 @@ std::vector<std::vector<size_t>> bucketsOf(const GradientLayout& layout) {
 // P and Q, and the arithmetic and memory traffic of compressing it.
 struct TensorWire {
   double whole = 0.0;
-  double factors = 0.0;
+  double factors = 0.0;  // P and Q
+  double q = 0.0;        // of which Q
   double flops = 0.0;
   double memory = 0.0;
 };
@@ -72,6 +73,7 @@ TensorWire powerSgdWire(const std::vector<int64_t>& shape, const CompressionSpec
   const double compressed = (rows + cols) * r;
   if (compressed * spec.minCompressionRate < n) {
     w.factors = compressed;
+    w.q = cols * r;
     w.flops = 3.0 * 2.0 * rows * cols * r + 2.0 * rows * r * r;
     w.memory = 8.0 * n * elementBytes;
   } else {
@@ -116,9 +118,10 @@ CompressionSpec CompressionSpec::parse(const std::string& text, const std::strin
     for (size_t i = 1; digits && i < tail.size(); ++i) {
       digits = tail[i] >= '0' && tail[i] <= '9';
     }
-    HDDP_CHECK_AS(ConfigError, digits && std::stoi(tail.substr(1)) >= 1, what, " '", text,
-                  "': the PowerSGD rank follows a colon and is a whole number from 1, e.g. "
-                  "powersgd:4");
+    HDDP_CHECK_AS(
+        ConfigError, digits && std::stoi(tail.substr(1)) >= 1, what, " '", text,
+        "': the PowerSGD rank follows a colon and is a whole number from 1 to 99999, e.g. "
+        "powersgd:4");
     s.rank = std::stoi(tail.substr(1));
     return s;
   }
@@ -174,10 +177,12 @@ CompressionCost compressionTraffic(const CompressionSpec& spec, const GradientLa
     case CompressionSpec::Kind::PowerSgd:
       break;
   }
-  HDDP_CHECK_AS(ConfigError, !layout.shapes.empty() || !(total > 0),
-                "PowerSGD's traffic needs the gradients' shapes, and none were given");
+  HDDP_CHECK_AS(ConfigError, !layout.shapes.empty(),
+                "PowerSGD's traffic needs the gradients' shapes (GradientLayout::shapes), and "
+                "none were given");
   HDDP_CHECK_AS(ConfigError, spec.rank >= 1 && spec.minCompressionRate > 0,
                 "PowerSGD needs a rank of at least 1 and a positive minimum compression rate");
+  double q = 0.0;
   for (const auto& bucket : buckets) {
     double whole = 0.0;
     double factors = 0.0;
@@ -185,6 +190,7 @@ CompressionCost compressionTraffic(const CompressionSpec& spec, const GradientLa
       const TensorWire w = powerSgdWire(layout.shapes[k], spec, layout.elementBytes);
       whole += w.whole;
       factors += w.factors;
+      q += w.q;
       c.flops += w.flops;
       c.memoryBytes += w.memory;
     }
@@ -193,6 +199,7 @@ CompressionCost compressionTraffic(const CompressionSpec& spec, const GradientLa
     c.messages += (whole > 0 || factors > 0 ? 1 : 0) + (twoTypes ? 1 : 0) + (factors > 0 ? 1 : 0);
   }
   c.messages += 1;  // DDP's status travels on its own beside a hook's buckets
+  c.endShare = c.wireBytes > 0 ? q * spec.factorBytes / c.wireBytes : 0.0;
   return c;
 }
 
@@ -207,13 +214,19 @@ CompressionCost priceCompression(CompressionCost cost, const GradientLayout& lay
         (cost.messages - 1) *
             emulatedCollectiveSeconds(CollectiveKind::Allreduce, 0.0, link.ranks, l);
   }
-  const double last = cost.allreduceSeconds * layout.lastBucketShare();
   cost.hidden = cost.allreduceSeconds + computeSeconds <= link.backwardSeconds;
-  cost.exposedSeconds =
-      (cost.allreduceSeconds > 0 ? std::max(cost.allreduceSeconds - link.backwardSeconds, last)
-                                 : 0.0) +
-      computeSeconds;
+  cost.exposedSeconds = exposedAllreduceSeconds(cost.allreduceSeconds, link.backwardSeconds,
+                                                layout.lastBucketShare(), cost.endShare) +
+                        computeSeconds;
   return cost;
+}
+
+double exposedAllreduceSeconds(double allreduce, double backward, double lastShare,
+                               double endShare) {
+  if (!(allreduce > 0)) {
+    return 0.0;
+  }
+  return std::max(allreduce - backward, allreduce * std::min(1.0, lastShare + endShare));
 }
 
 std::vector<CompressionSpec> autoCandidates(AmpMode amp) {
@@ -248,8 +261,9 @@ CompressionDecision chooseCompression(const std::vector<CompressionCost>& priced
   }
   d.chosen = priced[pick];
   if (!(link.bytesPerSecond > 0) && !(link.latencySeconds > 0)) {
-    d.why = d.chosen.spec.name() + ": no rank has a link to price (ranks of one host), so " +
-            "nothing is worth compressing";
+    d.why = d.chosen.spec.name() +
+            ": no link to price (the seed knows none: CPU ranks without an emulated link; "
+            "--emulate-link-gbps emulates one), so nothing is worth compressing";
     return d;
   }
   std::string compared;

@@ -63,6 +63,7 @@ double lastBucketBytes(double parameterBytes, const WhatIfSettings& s) {
 struct Traffic {
   double wireBytes = 0.0;
   double lastShare = 1.0;
+  double endShare = 0.0;  // sent only after backward (PowerSGD's Q round)
   double computeSeconds = 0.0;
 };
 
@@ -103,8 +104,7 @@ Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& loc
   }
   s.backward =
       kBackwardShare * costs[slowest].secondsPerSample * static_cast<double>(local[slowest]);
-  s.exposed =
-      s.allreduce > 0 ? std::max(s.allreduce - s.backward, s.allreduce * traffic.lastShare) : 0.0;
+  s.exposed = exposedAllreduceSeconds(s.allreduce, s.backward, traffic.lastShare, traffic.endShare);
   if (costs.size() > 1) {
     s.exposed += traffic.computeSeconds;
   }
@@ -211,13 +211,20 @@ Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCo
   std::vector<Traffic> traffics;
   LinkBudget link;
   link.ranks = static_cast<int>(mix.size());
+  // The gradients: the shapes' bytes where the profile has them (frozen parameters have
+  // none), else every parameter's.
+  const double gradientBytes = p.gradientShapes.empty() ? p.parameterBytes : layout.bytes();
   for (const auto& spec : specs) {
-    Traffic t = plainTraffic(p.parameterBytes, s);
+    // One bucket model for every choice: the last bucket's share by bytes (above).
+    Traffic t = plainTraffic(gradientBytes, s);
     CompressionCost c;
     c.spec = spec;
-    c.wireBytes = p.parameterBytes;
+    c.wireBytes = gradientBytes;
+    // One allreduce per bucket: the first, then full ones and the remainder.
+    const double rest = gradientBytes - std::min(gradientBytes, s.firstBucketBytes);
+    c.messages = 1 + static_cast<int>(std::ceil(rest / s.bucketBytes));
     if (spec.kind == CompressionSpec::Kind::Fp16 || spec.kind == CompressionSpec::Kind::Bf16) {
-      c.wireBytes = t.wireBytes = p.parameterBytes / 2.0;
+      c.wireBytes = t.wireBytes = gradientBytes / 2.0;
     } else if (spec.kind == CompressionSpec::Kind::PowerSgd) {
       HDDP_CHECK_AS(ConfigError, !p.gradientShapes.empty(), "what-if: pricing PowerSGD needs ",
                     "the gradients' shapes, and the profile of ", p.model,
@@ -225,7 +232,7 @@ Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCo
                     "again (--model, or --save-profile to keep it)");
       c = compressionTraffic(spec, layout);
       t.wireBytes = c.wireBytes;
-      t.lastShare = layout.lastBucketShare();
+      t.endShare = c.endShare;
       // Its arithmetic at the products' share of each card's fp32 peak plus its passes
       // over device memory; the slowest card of the mix holds the others up.
       for (const auto& e : mix) {

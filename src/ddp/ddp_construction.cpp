@@ -22,24 +22,14 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
              options_.firstBucketBytes, " bucketCapBytes=", options_.bucketCapBytes);
   HDDP_CHECK(options_.bufferSyncInterval >= 1, "DdpOptions::bufferSyncInterval must be >= 1, got ",
              options_.bufferSyncInterval);
-  HDDP_CHECK_AS(ConfigError, options_.compression != GradCompression::Auto,
-                "DdpOptions::compression Auto is resolved by the Trainer; a DistributedDataParallel "
-                "of your own takes a choice (hddp::chooseCompression prices them for a link)");
+  HDDP_CHECK_AS(
+      ConfigError, options_.compression != GradCompression::Auto,
+      "DdpOptions::compression Auto is resolved by the Trainer; a DistributedDataParallel "
+      "of your own takes a choice (hddp::chooseCompression prices them for a link)");
   HDDP_CHECK_AS(ConfigError, !options_.commHook || options_.compression == GradCompression::None,
                 "DdpOptions: set either compression or commHook, not both (compression is "
                 "a shorthand for commHook = compressedAllreduceHook(...))");
-  hookSumsWholeBuffer_ = !options_.commHook && options_.compression != GradCompression::PowerSgd;
-  if (options_.commHook) {
-    hook_ = options_.commHook;
-  } else if (options_.compression == GradCompression::PowerSgd) {
-    powerSgd_ = std::make_shared<PowerSgdState>(options_.powerSgd);
-    hook_ = powerSgdHook(powerSgd_);
-  } else if (options_.compression == GradCompression::None) {
-    hook_ = allreduceHook();
-  } else {
-    hook_ = compressedAllreduceHook(options_.compression == GradCompression::Fp16 ? at::kHalf
-                                                                                  : at::kBFloat16);
-  }
+  installHook();
   std::unordered_map<const void*, std::string> seen;  // tied parameters: counted once
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const void* identity = item.value().unsafeGetTensorImpl();
@@ -130,6 +120,22 @@ std::vector<std::vector<std::string>> DistributedDataParallel::Impl::layout() co
     }
   }
   return out;
+}
+
+void DistributedDataParallel::Impl::installHook() {
+  hookSumsWholeBuffer_ = !options_.commHook && options_.compression != GradCompression::PowerSgd;
+  powerSgd_.reset();
+  if (options_.commHook) {
+    hook_ = options_.commHook;
+  } else if (options_.compression == GradCompression::PowerSgd) {
+    powerSgd_ = std::make_shared<PowerSgdState>(options_.powerSgd);
+    hook_ = powerSgdHook(powerSgd_);
+  } else if (options_.compression == GradCompression::None) {
+    hook_ = allreduceHook();
+  } else {
+    hook_ = compressedAllreduceHook(options_.compression == GradCompression::Fp16 ? at::kHalf
+                                                                                  : at::kBFloat16);
+  }
 }
 
 }  // namespace hddp

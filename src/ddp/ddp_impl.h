@@ -86,6 +86,8 @@ class DistributedDataParallel::Impl {
   void setNoSync(bool on) { noSync_ = on; }
   bool noSync() const { return noSync_; }
   void registerHooks();
+  /// hook_ (and powerSgd_, hookSumsWholeBuffer_) from options_.commHook / compression.
+  void installHook();
   /// Weights each incoming gradient by b_i / B before it is accumulated, and marks the
   /// parameter ready after accumulation.
   void registerHook(int i);

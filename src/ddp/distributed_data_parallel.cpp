@@ -3,6 +3,7 @@
 #include <unordered_map>
 
 #include "ddp/ddp_impl.h"
+#include "hddp/core/error.h"
 
 namespace hddp {
 
@@ -37,6 +38,22 @@ std::vector<std::vector<std::string>> DistributedDataParallel::bucketLayout() co
 const DdpStepStats& DistributedDataParallel::lastStepStats() const { return impl_->stats_; }
 const std::shared_ptr<PowerSgdState>& DistributedDataParallel::powerSgdState() const {
   return impl_->powerSgd_;
+}
+
+void DistributedDataParallel::setCompression(GradCompression compression,
+                                             const PowerSgdOptions& powerSgd) {
+  Impl& d = *impl_;
+  HDDP_CHECK_AS(ConfigError, compression != GradCompression::Auto,
+                "setCompression: Auto is not a choice (hddp::chooseCompression makes one)");
+  HDDP_CHECK_AS(ConfigError, !d.options_.commHook,
+                "setCompression: DdpOptions::commHook is set; compression is a shorthand for a "
+                "hook, so set one or the other");
+  HDDP_CHECK_AS(ConfigError, d.step_ == 0 && !d.stepActive_,
+                "setCompression: the compression is set before the first step, and ", d.step_,
+                " steps have run");
+  d.options_.compression = compression;
+  d.options_.powerSgd = powerSgd;
+  d.installHook();
 }
 
 namespace detail {

@@ -211,7 +211,10 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.dataWaitSeconds = batch.waitSeconds;
   r.computeSeconds = compute;
   r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
-  r.predictedAllreduceSeconds = predictedAllreduceSeconds_;
+  const auto& powerSgd = ddp_->powerSgdState();
+  r.predictedAllreduceSeconds = powerSgd && !powerSgd->compressing()
+                                    ? predictedPlainAllreduceSeconds_
+                                    : predictedAllreduceSeconds_;
   r.transferSeconds = lastStep_.transferSeconds;
   r.emulatedSeconds = lastStep_.emulatedSeconds;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;

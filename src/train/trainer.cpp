@@ -78,6 +78,12 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
                 " is smaller than the number of ranks (", comm.size(), ")");
   HDDP_CHECK_AS(ConfigError, o.epochs >= 1 && o.maxSteps >= 0,
                 "TrainerOptions: epochs must be >= 1 and maxSteps >= 0");
+  if (o.ddp.compression == GradCompression::Auto) {
+    HDDP_CHECK_AS(ConfigError, !o.ddp.commHook,
+                  "DdpOptions: compression Auto and a commHook are both set; a hook of your own "
+                  "decides what is sent, so leave compression at None");
+    PowerSgdState validate(o.ddp.powerSgd);  // its options are checked now, not when chosen
+  }
   HDDP_CHECK_AS(ConfigError, o.keepLast >= 1, "TrainerOptions::keepLast must be >= 1");
   HDDP_CHECK_AS(ConfigError, o.saveEvery == 0 || !o.saveDir.empty(),
                 "saveEvery is set but saveDir is empty: say where state files go");
@@ -185,21 +191,29 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   }
   const EmulationOptions emulation =
       options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
-  // The seed (before DDP: --compress auto chooses from it what DDP sends).
-  const bool seeded = options_.balance && options_.seedPlan;
+  // GradCompression::Auto: DDP starts with the plain allreduce and is switched before
+  // its first step, once it has checked that the ranks' models agree and the seed has
+  // timed them.
   const bool autoCompress = options_.ddp.compression == GradCompression::Auto;
+  DdpOptions ddpOptions = options_.ddp;
+  if (autoCompress) {
+    ddpOptions.compression = GradCompression::None;
+  }
+  ddp_ = std::make_unique<DistributedDataParallel>(model_, comm_, ddpOptions);
+  const bool seeded = options_.balance && options_.seedPlan;
   std::vector<RankCost> seed;
   if (seeded || autoCompress) {
     seed = seedCosts(*train, emulation);
   }
   if (autoCompress) {
     resolveCompression(seed, emulation);
+    ddp_->setCompression(options_.ddp.compression, options_.ddp.powerSgd);
+    compressionChosen_ = true;
   }
+  compressionName_ = train::compressionName(options_.ddp);
   if (seeded) {
     predictAllreduce(seed);
   }
-  ddp_ = std::make_unique<DistributedDataParallel>(model_, comm_, options_.ddp);
-  compressionName_ = train::compressionName(options_.ddp);
   for (const auto& module : model_->modules(/*include_self=*/true)) {
     hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
   }

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <limits>
 
 #include "hddp/balance/seed.h"
 #include "hddp/comm/exchange.h"
@@ -62,44 +64,74 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
                                        const EmulationOptions& emulation) {
   const GradientLayout layout = gradientLayout();
   const AllreducePrediction slowest = hddp::predictAllreduce(seed, layout.bytes());
+  // What each rank adds to the seed: its PowerSGD compute at ranks 4 and 1 (NaN: the
+  // timing failed there), whether it computes in bf16, and its emulated latency. Every
+  // rank then decides from the same figures.
+  constexpr size_t kPowerSgdRanks = 2;
+  const int powerSgdRanks[kPowerSgdRanks] = {4, 1};
+  std::array<double, kPowerSgdRanks + 2> mine{};
+  const bool priced = slowest.slowestLinkBytesPerSecond > 0 || emulation.linkLatencySeconds > 0;
+  for (size_t k = 0; k < kPowerSgdRanks; ++k) {
+    if (!priced || comm_.size() == 1) {
+      continue;  // nothing to price: PowerSGD's compute would not decide
+    }
+    PowerSgdOptions o = options_.ddp.powerSgd;
+    o.rank = powerSgdRanks[k];
+    try {
+      mine[k] = timePowerSgdCompute(layout.shapes, o, device_);
+    } catch (const std::exception& e) {
+      // Told to every rank through the exchange below, so that none waits for this one.
+      mine[k] = std::numeric_limits<double>::quiet_NaN();
+      HDDP_LOG_WARN("ddp", "rank ", comm_.rank(), ": timing PowerSGD at rank ", powerSgdRanks[k],
+                    " on ", device_.str(), " failed (", e.what(),
+                    "): --compress auto leaves PowerSGD out");
+    }
+  }
+  mine[kPowerSgdRanks] = options_.amp == AmpMode::Bf16 ? 1.0 : 0.0;
+  mine[kPowerSgdRanks + 1] = emulation.linkLatencySeconds;
+  std::array<double, kPowerSgdRanks + 2> all{};
+  all[kPowerSgdRanks] = 1.0;
+  for (const auto& theirs : allgatherValue(comm_, mine)) {
+    for (size_t k = 0; k < kPowerSgdRanks; ++k) {
+      all[k] = std::isnan(theirs[k]) || std::isnan(all[k]) ? theirs[k] + all[k]
+                                                           : std::max(all[k], theirs[k]);
+    }
+    all[kPowerSgdRanks] = std::min(all[kPowerSgdRanks], theirs[kPowerSgdRanks]);
+    all[kPowerSgdRanks + 1] = std::max(all[kPowerSgdRanks + 1], theirs[kPowerSgdRanks + 1]);
+  }
   LinkBudget link;
   link.ranks = comm_.size();
   link.bytesPerSecond = slowest.slowestLinkBytesPerSecond;
-  link.latencySeconds = emulation.linkLatencySeconds;
-  // The backward the buckets can hide behind: the slowest rank's at the first split.
-  const BatchPlan plan = options_.balance ? solveSplit(seed, options_.globalBatch)
-                                          : equalSplit(comm_.size(), options_.globalBatch);
+  link.latencySeconds = all[kPowerSgdRanks + 1];
+  // The backward the buckets can hide behind: the slowest rank's at the first split
+  // (the planner's from the seed, else the equal split).
+  const BatchPlan plan = options_.balance && options_.seedPlan
+                             ? solveSplit(seed, options_.globalBatch)
+                             : equalSplit(comm_.size(), options_.globalBatch);
   for (size_t r = 0; r < seed.size(); ++r) {
     link.backwardSeconds =
         std::max(link.backwardSeconds,
                  kBackwardShare * seed[r].secondsPerSample * static_cast<double>(plan.local[r]));
   }
-  const std::vector<CompressionSpec> candidates = autoCandidates(options_.amp);
-  // PowerSGD's compute on every rank's device; the slowest rank's counts.
-  std::array<double, 4> mine{};
-  for (size_t k = 0; k < candidates.size(); ++k) {
-    if (candidates[k].kind == CompressionSpec::Kind::PowerSgd && link.ranks > 1) {
-      PowerSgdOptions o = options_.ddp.powerSgd;
-      o.rank = candidates[k].rank;
-      mine[k] = timePowerSgdCompute(layout.shapes, o, device_);
-    }
-  }
-  std::array<double, 4> compute{};
-  for (const auto& theirs : allgatherValue(comm_, mine)) {
-    for (size_t k = 0; k < compute.size(); ++k) {
-      compute[k] = std::max(compute[k], theirs[k]);
-    }
-  }
-  std::vector<CompressionCost> priced;
-  for (size_t k = 0; k < candidates.size(); ++k) {
-    CompressionSpec spec = candidates[k];
+  // bf16 only where every rank computes in it (a mixed job sends fp16: one type for all).
+  std::vector<CompressionCost> candidates;
+  std::string left;
+  for (CompressionSpec spec :
+       autoCandidates(all[kPowerSgdRanks] > 0 ? AmpMode::Bf16 : AmpMode::Off)) {
+    double compute = 0.0;
     if (spec.kind == CompressionSpec::Kind::PowerSgd) {
+      const size_t k = spec.rank == powerSgdRanks[0] ? 0 : 1;
+      if (std::isnan(all[k])) {
+        left += (left.empty() ? "" : ", ") + spec.name();
+        continue;
+      }
+      compute = all[k];
       spec.minCompressionRate = options_.ddp.powerSgd.minCompressionRate;
       spec.factorBytes = static_cast<int>(c10::elementSize(options_.ddp.powerSgd.wireType));
     }
-    priced.push_back(priceCompression(compressionTraffic(spec, layout), layout, link, compute[k]));
+    candidates.push_back(priceCompression(compressionTraffic(spec, layout), layout, link, compute));
   }
-  const CompressionDecision d = chooseCompression(priced, link);
+  const CompressionDecision d = chooseCompression(candidates, link);
   switch (d.chosen.spec.kind) {
     case CompressionSpec::Kind::None:
       options_.ddp.compression = GradCompression::None;
@@ -115,8 +147,18 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
       options_.ddp.powerSgd.rank = d.chosen.spec.rank;
       break;
   }
+  // The same figures give the same choice; a rank of another build could still differ.
+  const auto choices = allgatherValue(
+      comm_,
+      static_cast<int32_t>(static_cast<int>(d.chosen.spec.kind) * 1000 + d.chosen.spec.rank));
+  for (size_t r = 1; r < choices.size(); ++r) {
+    HDDP_CHECK(choices[r] == choices[0], "--compress auto: rank ", r,
+               " chose otherwise than rank 0 from the same figures; every rank must run the "
+               "same hddp build");
+  }
   HDDP_LOG_SHARED(
       "ddp", comm_.rank(), "--compress auto chose ", d.why,
+      left.empty() ? std::string() : "; left out (timing failed): " + left,
       d.chosen.spec.kind == CompressionSpec::Kind::PowerSgd
           ? "; PowerSGD starts at step " + std::to_string(options_.ddp.powerSgd.startStep)
           : std::string());
@@ -127,10 +169,12 @@ void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
   const CompressionCost traffic = compressionTraffic(specOf(options_.ddp), layout);
   const AllreducePrediction p = hddp::predictAllreduce(seed, traffic.wireBytes);
   predictedAllreduceSeconds_ = p.seconds;
+  predictedPlainAllreduceSeconds_ = hddp::predictAllreduce(seed, layout.bytes()).seconds;
   if (predictedAllreduceSeconds_ > 0) {
     HDDP_LOG_SHARED("balance", comm_.rank(), "gradient allreduce: ", traffic.wireBytes / 1e6,
-                    " MB (", traffic.spec.name(), ") over the slowest link (rank ", p.slowestRank,
-                    ", ", p.slowestLinkBytesPerSecond / 1e9, " GB/s) takes ",
+                    " MB (", compressionName_.empty() ? traffic.spec.name() : compressionName_,
+                    ") over the slowest link (rank ", p.slowestRank, ", ",
+                    p.slowestLinkBytesPerSecond / 1e9, " GB/s) takes ",
                     predictedAllreduceSeconds_ * 1e3,
                     " ms per step (ring model); no split changes it, backward hides part of it "
                     "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");

@@ -136,8 +136,12 @@ class Trainer::Impl {
   // The gradients' ring allreduce over the slowest rank's link, predicted from the seed
   // (0: not predicted): a time per step that no split of the batch changes.
   double predictedAllreduceSeconds_ = 0;
+  // The same for the plain gradients (PowerSGD's steps before its start step send them).
+  double predictedPlainAllreduceSeconds_ = 0;
   // What DDP sends for the gradients ("none", "fp16", "powersgd:4"; the metrics' config).
   std::string compressionName_;
+  // GradCompression::Auto chose it (a resume then adopts a state file's choice).
+  bool compressionChosen_ = false;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;

@@ -15,9 +15,12 @@
 namespace hddp {
 
 train::StateParts Trainer::Impl::stateParts() {
-  return train::StateParts{comm_,     device_,        *model_,         optimizer_,
-                           *scaler_,  planner_.get(), elastic_.slot(), ddp_->powerSgdState().get(),
-                           ddp_.get()};
+  train::StateParts parts{comm_,     device_,        *model_,         optimizer_,
+                          *scaler_,  planner_.get(), elastic_.slot(), ddp_->powerSgdState().get(),
+                          ddp_.get()};
+  parts.compression = compressionName_;
+  parts.adoptCompression = compressionChosen_ ? &options_.ddp.powerSgd : nullptr;
+  return parts;
 }
 
 std::string Trainer::Impl::save() {
@@ -72,6 +75,9 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
     HDDP_LOG_INFO("train", "no state file in ", fileOrDirectory,
                   " (missing or empty folder): starting fresh");
     return;
+  }
+  if (!loaded.compression.empty()) {
+    compressionName_ = loaded.compression;  // the file's, when --compress auto adopted it
   }
   step_ = loaded.meta.step;
   epoch_ = loaded.meta.epoch;

@@ -11,6 +11,7 @@
 
 #include "ddp/ddp_access.h"
 #include "hddp/amp/grad_scaler.h"
+#include "hddp/balance/compression_model.h"
 #include "hddp/balance/planner.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
@@ -363,6 +364,10 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
     parts.planner->save(shared, own);
     archive.write("planner", shared);
   }
+  if (!parts.compression.empty()) {
+    archive.write("compression", bytesTensor(std::vector<uint8_t>(parts.compression.begin(),
+                                                                  parts.compression.end())));
+  }
   if (parts.ddp) {
     std::string order;
     for (const auto& name : detail::DdpAccess::bucketOrder(*parts.ddp)) {
@@ -378,6 +383,57 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
   HDDP_LOG_INFO("train", "saved step ", meta.step, " to ", path);
   return path;
 }
+
+namespace {
+
+// The compression the file was trained with, against this run's: adopted when
+// `--compress auto` chose this run's (see StateParts::adoptCompression), else logged.
+StateParts adoptSavedCompression(const StateParts& parts, InputArchive& file,
+                                 const std::string& path) {
+  StateParts out = parts;
+  at::Tensor bytes;
+  if (!file.try_read("compression", bytes)) {
+    return out;
+  }
+  const std::string saved = tensorBytes(bytes);
+  if (saved == parts.compression) {
+    return out;
+  }
+  const bool savedPowerSgd = saved.rfind("powersgd", 0) == 0;
+  if (parts.adoptCompression != nullptr && parts.ddp != nullptr && saved != "hook") {
+    const CompressionSpec spec = CompressionSpec::parse(saved, path + ": compression");
+    PowerSgdOptions o = *parts.adoptCompression;
+    o.rank = spec.rank;
+    const GradCompression c = spec.kind == CompressionSpec::Kind::Fp16   ? GradCompression::Fp16
+                              : spec.kind == CompressionSpec::Kind::Bf16 ? GradCompression::Bf16
+                              : spec.kind == CompressionSpec::Kind::PowerSgd
+                                  ? GradCompression::PowerSgd
+                                  : GradCompression::None;
+    try {
+      parts.ddp->setCompression(c, o);
+    } catch (const ConfigError& e) {  // steps have run in this process: too late to switch
+      HDDP_LOG_SHARED("train", parts.comm.rank(), path, " was trained with --compress ", saved,
+                      "; this run sends ", parts.compression, " and cannot switch now (",
+                      e.what_without_backtrace(), ")",
+                      savedPowerSgd ? ": the file's PowerSGD memories are not used" : "");
+      return out;
+    }
+    out.powerSgd = parts.ddp->powerSgdState().get();
+    out.compression = saved;
+    HDDP_LOG_SHARED("train", parts.comm.rank(), path, " was trained with --compress ", saved,
+                    ": the run goes on with it (--compress auto chose ", parts.compression,
+                    " now; a choice made once stays, so that nothing it keeps is lost)");
+    return out;
+  }
+  HDDP_LOG_SHARED("train", parts.comm.rank(), path, " was trained with --compress ", saved,
+                  "; this run sends ", parts.compression,
+                  savedPowerSgd ? ", so the file's PowerSGD memories (error feedback, Q) are "
+                                  "not used"
+                                : "");
+  return out;
+}
+
+}  // namespace
 
 LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
                       int64_t globalBatch) {
@@ -439,7 +495,9 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
                     " ranks; it loads into ", parts.comm.size(), " (rank<-saved rank: ", map,
                     "); the sampler goes on with the same global order");
   }
-  loadRankBlob(parts, archive, hasPlanner ? &plannerShared : nullptr, from, meta.worldSize, path);
+  const StateParts adopted = adoptSavedCompression(parts, archive, path);
+  loaded.compression = adopted.compression;
+  loadRankBlob(adopted, archive, hasPlanner ? &plannerShared : nullptr, from, meta.worldSize, path);
   at::Tensor order;
   if (parts.ddp && archive.try_read("ddp_order", order)) {
     std::vector<std::string> names;
@@ -451,8 +509,8 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
       HDDP_LOG_SHARED("train", parts.comm.rank(), path,
                       ": its bucket order does not name this model's parameters; DDP keeps "
                       "its own");
-      if (parts.powerSgd) {  // its per-bucket memories were made for the saved buckets
-        parts.powerSgd->resetMemories("the saved buckets are not this model's");
+      if (adopted.powerSgd) {  // its per-bucket memories were made for the saved buckets
+        adopted.powerSgd->resetMemories("the saved buckets are not this model's");
       }
     }
   }

@@ -13,6 +13,7 @@
 //   scaler          GradScaler::save
 //   sampler         DistributedSampler::State::save (where the epoch's order stands)
 //   planner         BatchPlanner::save, its shared part (with balancing only)
+//   compression     what DDP sent ("none", "fp16", "powersgd:4", ...; optional)
 //   ddp_order       DDP's parameters in bucket order, names separated by newlines
 //                   (optional: a file without it leaves DDP's own order)
 //   rank<r>         rank r's own archive, as bytes: its RNGs, its planner window and,
@@ -41,6 +42,7 @@ class BatchPlanner;
 class Communicator;
 class GradScaler;
 class PowerSgdState;
+struct PowerSgdOptions;
 class DistributedDataParallel;
 
 namespace train {
@@ -94,6 +96,13 @@ struct StateParts {
   /// DDP, whose bucket order the file keeps (null: not kept): a resumed run gets the
   /// buckets of the run it continues, which PowerSGD's per-bucket memories need.
   DistributedDataParallel* ddp = nullptr;
+  /// What DDP sends ("none", "fp16", "bf16", "powersgd:R", "hook"), kept in the file.
+  std::string compression;
+  /// Set when `--compress auto` made the choice: a file trained with another choice
+  /// brings it back (DDP switched before its first step, these PowerSGD options with the
+  /// file's rank), so that PowerSGD's memories carry on. Null: the choice is the user's,
+  /// and a file made with another one says so in the log.
+  const PowerSgdOptions* adoptCompression = nullptr;
 };
 
 /// Writes the state file of `meta.step` in `directory` (rank 0; collective), keeping
@@ -106,6 +115,8 @@ struct LoadedState {
   std::string path;
   StateMeta meta;
   DistributedSampler::State sampler;
+  /// What DDP sends after the load (the file's when it was adopted).
+  std::string compression;
 };
 
 /// Loads `fileOrDirectory` (a directory: its newest valid state file, chosen by rank 0)

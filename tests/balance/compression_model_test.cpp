@@ -59,6 +59,9 @@ TEST(CompressionModel, CountsTheBytesAndMessagesEachChoiceSends) {
   const CompressionCost c4 = hddp::compressionTraffic(powerSgd(4), g);
   EXPECT_DOUBLE_EQ(c4.wireBytes, 4 * (384.0 + 320 + 32 + 10));
   EXPECT_EQ(c4.messages, 3);  // the whole ones with P, then Q, then DDP's status
+  // Q (64 x 4) goes out only once every bucket's first round is done.
+  EXPECT_DOUBLE_EQ(c4.endShare, 4.0 * 64 * 4 / c4.wireBytes);
+  EXPECT_EQ(hddp::compressionTraffic(CompressionSpec{}, g).endShare, 0.0);
   EXPECT_DOUBLE_EQ(c4.flops, 3 * 2.0 * 32 * 64 * 4 + 2.0 * 32 * 16);
   // Rank 1 compresses both matrices.
   EXPECT_DOUBLE_EQ(hddp::compressionTraffic(powerSgd(1), g).wireBytes, 4 * (96.0 + 42 + 32 + 10));
@@ -100,6 +103,12 @@ TEST(CompressionModel, PricesTheRingAndWhatBackwardHides) {
       hddp::priceCompression(hddp::compressionTraffic(powerSgd(4), g), g, link, 0.5e-3);
   EXPECT_NEAR(p.allreduceSeconds, 1.5 * p.wireBytes / 1e6 + 3 * 6e-3, 1e-12);
   EXPECT_NEAR(p.exposedSeconds, p.allreduceSeconds + 0.5e-3, 1e-12);
+  // Of many buckets, the last bucket's share and what goes out after backward (Q) show.
+  EXPECT_NEAR(hddp::exposedAllreduceSeconds(10.0, 2.0, 0.25, 0.0), 8.0, 1e-12);
+  EXPECT_NEAR(hddp::exposedAllreduceSeconds(10.0, 9.0, 0.25, 0.0), 2.5, 1e-12);
+  EXPECT_NEAR(hddp::exposedAllreduceSeconds(10.0, 9.0, 0.25, 0.125), 3.75, 1e-12);
+  EXPECT_NEAR(hddp::exposedAllreduceSeconds(10.0, 9.0, 0.75, 0.5), 10.0, 1e-12);
+  EXPECT_EQ(hddp::exposedAllreduceSeconds(0.0, 9.0, 0.75, 0.5), 0.0);
   // With backward long enough it hides, but the last bucket (here the only one) shows.
   link.backwardSeconds = 1.0;
   const CompressionCost hidden =
@@ -163,7 +172,7 @@ TEST(CompressionModel, AutoTakesTheLeastExposedWhereNothingHidesPreferringFideli
 TEST(CompressionModel, AutoWithoutALinkToPriceSendsPlain) {
   const Choice c = chooseFor(0.0, 5e-3);
   EXPECT_EQ(c.name, "none");
-  EXPECT_NE(c.why.find("no rank has a link"), std::string::npos) << c.why;
+  EXPECT_NE(c.why.find("no link to price"), std::string::npos) << c.why;
 }
 
 }  // namespace

@@ -404,10 +404,12 @@ hddp::ModelProfile goldenWithShapes() {
 //   fp16        50 MB over 1 GB/s: 50 ms, within backward; the last bucket (20.3 MB of
 //               the 100, as before) shows: 10.15 ms exposed, a step of 93.15 ms
 //   powersgd:4  each 5000 x 1000 weight sends (5000 + 1000) x 4 floats: 0.48 MB, 0.48 ms;
-//               buckets of 1, 2 and 2 weights, the last 40%: 0.192 ms exposed; compute on
+//               the last bucket's share by bytes as for the others (0.20308224), and
+//               Q (1000 x 4 of each weight's 24000) a sixth, sent after backward:
+//               0.48 x (0.20308224 + 1/6) = 0.17748 ms exposed; compute on
 //               the slow card (the slower of the two): 5 x (3 x 2 x 5000 x 1000 x 4 +
 //               2 x 5000 x 16) FLOPs / (5 TFLOPS x 0.5) = 0.24032 ms, plus 8 passes over
-//               the 1e8 bytes / 50 GB/s = 16 ms; a step of 83 + 0.192 + 16.24032 ms
+//               the 1e8 bytes / 50 GB/s = 16 ms; a step of 83 + 0.17748 + 16.24032 ms
 //   auto        none (100 ms) does not fit in backward, fp16 (50 ms) does: fp16
 TEST(WhatIf, CompressionIsPricedByItsBytesAndItsCompute) {
   const auto table = goldenTable();
@@ -419,8 +421,10 @@ TEST(WhatIf, CompressionIsPricedByItsBytesAndItsCompute) {
   EXPECT_NEAR(fp16.exposedAllreduceSeconds, 0.0101541120, 1e-9);
   EXPECT_NEAR(fp16.stepSeconds, 0.0931541120, 1e-9);
   EXPECT_EQ(fp16.compression.spec.name(), "fp16");
-  EXPECT_TRUE(hasAdvice(fp16, "with fp16 compression the allreduce carries 50 MB per step "
-                              "instead of 100 MB"))
+  EXPECT_EQ(fp16.compression.messages, 5) << "buckets of 1 MiB, 3 x 25 MiB and the rest";
+  EXPECT_TRUE(hasAdvice(fp16,
+                        "with fp16 compression the allreduce carries 50 MB per step "
+                        "instead of 100 MB"))
       << adviceText(fp16);
 
   s.compression = "powersgd:4";
@@ -428,7 +432,7 @@ TEST(WhatIf, CompressionIsPricedByItsBytesAndItsCompute) {
   EXPECT_NEAR(psgd.compression.wireBytes, 480000.0, 1e-6);
   EXPECT_NEAR(psgd.allreduceSeconds, 0.00048, 1e-12);
   EXPECT_NEAR(psgd.compression.computeSeconds, 0.00024032 + 0.016, 1e-12);
-  EXPECT_NEAR(psgd.stepSeconds, 0.083 + 0.000192 + 0.01624032, 1e-9);
+  EXPECT_NEAR(psgd.stepSeconds, 0.083 + 0.48e-3 * (0.20308224 + 1.0 / 6) + 0.01624032, 1e-9);
 
   s.compression = "auto";
   const auto chosen = hddp::predictMix(mix, goldenWithShapes(), s, table);
@@ -443,8 +447,7 @@ TEST(WhatIf, CompressionIsPricedByItsBytesAndItsCompute) {
     hddp::predictMix(mix, goldenProfile(), s, table);
     FAIL() << "no error";
   } catch (const hddp::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("profile the model again"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("profile the model again"), std::string::npos) << e.what();
   }
   s.compression = "lz4";
   EXPECT_THROW(hddp::predictMix(mix, goldenProfile(), s, table), hddp::ConfigError);
@@ -458,6 +461,6 @@ TEST(WhatIf, AProfileKeepsItsGradientShapes) {
   bad.replace(bad.find("5000"), 4, "-500");
   EXPECT_THROW(hddp::ModelProfile::fromJson(bad, "p.json"), hddp::ConfigError);
   // A profile without them (saved before they were recorded) still reads.
-  EXPECT_TRUE(hddp::ModelProfile::fromJson(goldenProfile().toJson(), "p.json")
-                  .gradientShapes.empty());
+  EXPECT_TRUE(
+      hddp::ModelProfile::fromJson(goldenProfile().toJson(), "p.json").gradientShapes.empty());
 }

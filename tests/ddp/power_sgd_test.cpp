@@ -19,6 +19,7 @@
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 
 namespace {
@@ -210,7 +211,10 @@ void copyParameters(torch::nn::Module& from, torch::nn::Module& to) {
 // of single-device training on the whole batch (float64). The error-feedback memories
 // then sum to zero at every step; kept in other units, they would not, and the steps
 // after the first compressed one would drift.
-void expectExactWithACoveringRank(const c10::Device& device) {
+// `devices`: each rank's. Ranks that are threads of one process need devices of their
+// own: autograd runs a device's backward on one thread per device, which ranks sharing
+// the device would share, and DDP's end of backward on one rank would hold up the others'.
+void expectExactWithACoveringRank(const std::vector<c10::Device>& devices) {
   const int world = 3;
   const int64_t B = 12;
   const int steps = 6;
@@ -240,6 +244,7 @@ void expectExactWithACoveringRank(const c10::Device& device) {
   std::vector<int64_t> compressedSteps(world, 0);
   runThreads(world, [&](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
+    const c10::Device device = devices[static_cast<size_t>(rank)];
     SmallNet model;
     model->to(torch::kDouble);
     copyParameters(*initial, *model);
@@ -290,15 +295,18 @@ void expectExactWithACoveringRank(const c10::Device& device) {
 }  // namespace
 
 TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact) {
-  expectExactWithACoveringRank(c10::Device(c10::kCPU));
+  const c10::Device cpu(c10::kCPU);
+  expectExactWithACoveringRank({cpu, cpu, cpu});
 }
 
-// The same on a GPU (the hook's tensors on it, Gloo staging them through the host).
+// The same with a rank on a GPU (the hook's tensors on it, Gloo staging them through the
+// host) beside two CPU ranks.
 TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact_CUDA) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device on this machine (runs on a GPU machine via tools/gpu-check.sh)";
   }
-  expectExactWithACoveringRank(c10::Device(c10::kCUDA, 0));
+  const c10::Device cpu(c10::kCPU);
+  expectExactWithACoveringRank({c10::Device(c10::kCUDA, 0), cpu, cpu});
 }
 
 // Low rank on real gradients is an approximation: after a few compressed steps the
@@ -491,4 +499,27 @@ TEST(PowerSgd, ANonFiniteStepStaysOutOfTheMemories) {
   o.errorFeedback = false;
   o.warmStart = false;
   EXPECT_NO_THROW(hddp::PowerSgdState{o});
+}
+
+// The same on the emulated accelerator (the hook's tensors on emu:0 and emu:1, Gloo
+// staging them through the host, beside a CPU rank): QR in float64 for the rank-6
+// factors on devices that are not the CPU.
+TEST(PowerSgd, WithARankCoveringEveryMatrixTheWeightedResultIsExact_Emu) {
+  expectExactWithACoveringRank(
+      {hddp::testing::emulatedDevice(0), hddp::testing::emulatedDevice(1), c10::Device(c10::kCPU)});
+}
+
+// --compress auto times PowerSGD's arithmetic on the rank's own device (synchronised
+// around each pass, so the time is the device's, not the launches').
+TEST(PowerSgd, ComputeIsTimedOnTheDevice_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  hddp::PowerSgdOptions o;
+  o.rank = 4;
+  const std::vector<std::vector<int64_t>> shapes = {{512, 512, 3, 3}, {512}, {1000, 512}};
+  const double seconds = hddp::timePowerSgdCompute(shapes, o, c10::Device(c10::kCUDA, 0));
+  std::printf("PowerSGD rank 4 compute on cuda:0: %.3f ms\n", seconds * 1e3);
+  EXPECT_GT(seconds, 0.0);
+  EXPECT_LT(seconds, 1.0);
 }

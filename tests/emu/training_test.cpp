@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "emu_fixture.h"
+#include "hddp/ddp/power_sgd.h"
 
 namespace hddp {
 namespace emu {
@@ -174,6 +175,34 @@ TEST_F(EmuTraining, ARankOnEmu1NeverAllocatesOnTheCurrentDevice) {
   });
   rank.join();
   EXPECT_EQ(allocationsOn0(), before) << "a rank on emu:1 took memory from emu:0";
+}
+
+// PowerSGD's arithmetic (--compress auto times it on each rank's device) runs on emu:
+// error feedback, P = M Q, Gram-Schmidt (rank 1) and QR (rank 4) orthogonalisation,
+// Q = M^T P, the approximation; its operators run on the device and its stretched time
+// is what a slow card would report.
+TEST_F(EmuTraining, PowerSgdsComputeRunsOnTheDeviceAndCountsItsSlowdown) {
+  const std::vector<std::vector<int64_t>> shapes = {{64, 3, 3, 3}, {64}, {10, 64}};
+  for (int rank : {1, 4}) {
+    PowerSgdOptions o;
+    o.rank = rank;
+    resetCounters();
+    const double seconds = timePowerSgdCompute(shapes, o, emuDevice(1));
+    EXPECT_GT(seconds, 0.0) << "rank " << rank;
+    const DeviceCounters c = counters(1);
+    EXPECT_GT(c.ops, 20) << "the products ran on emu:1";
+    EXPECT_EQ(counters(0).ops, 0) << "nothing ran on emu:0";
+  }
+  // A 3x slower card sleeps twice its compute after each operator, inside the timing.
+  setSlowdown(1, 3.0);
+  resetCounters();
+  PowerSgdOptions o;
+  o.rank = 4;
+  const double slow = timePowerSgdCompute(shapes, o, emuDevice(1));
+  const DeviceCounters c = counters(1);
+  EXPECT_GT(c.slowdownSeconds, 0.0);
+  // The fastest of three timed passes, each sleeping its share of the slept time.
+  EXPECT_GE(slow, 0.5 * c.slowdownSeconds / 4);
 }
 
 }  // namespace

@@ -730,16 +730,17 @@ TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
 namespace {
 
 struct AutoRun {
-  std::string chosen;           // the metrics' config
-  bool powerSgdState = false;   // DDP built with PowerSGD
-  std::vector<double> waits;    // rank 0's comm_wait_s from step 3 on
-  double predicted = 0.0;       // allreduce_predicted_s
+  std::string chosen;          // the metrics' config
+  bool powerSgdState = false;  // DDP built with PowerSGD
+  int64_t powerSgdSteps = 0;   // its step count at the end
+  std::vector<double> waits;   // rank 0's comm_wait_s from step 3 on
+  double predicted = 0.0;      // allreduce_predicted_s
 };
 
 // Two ranks of a 64 -> 4096 linear layer (1.05 MB of gradients in one bucket, so the
 // allreduce cannot hide; a forward of 0.5 ms a sample, so backward is ~4 ms of the local
 // batch of 4) under --compress auto, over an emulated link of `link` bytes/s.
-AutoRun runAuto(double link) {
+AutoRun runAuto(double link, const std::string& saveDir = "", int64_t maxSteps = 12) {
   const std::string dir = hddp::testing::makeTempDir();
   AutoRun out;
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
@@ -750,10 +751,13 @@ AutoRun runAuto(double link) {
     torch::optim::SGD opt(model->parameters(), 0.01);
     hddp::TrainerOptions o;
     o.globalBatch = 8;
-    o.maxSteps = 12;
+    o.maxSteps = maxSteps;
     o.progress = hddp::ProgressMode::Off;
     o.loader.workers = 1;
     o.metricsPath = dir + "/m.jsonl";
+    o.saveDir = saveDir;
+    o.saveEvery = saveDir.empty() ? 0 : 3;
+    o.resume = saveDir;
     o.ddp.compression = hddp::GradCompression::Auto;
     o.ddp.powerSgd.startStep = 2;
     hddp::EmulationOptions e;
@@ -771,7 +775,9 @@ AutoRun runAuto(double link) {
         hddp::crossEntropy(), opt, ds, o);
     trainer.fit();
     if (rank == 0) {
-      out.powerSgdState = trainer.ddp().powerSgdState() != nullptr;
+      const auto& state = trainer.ddp().powerSgdState();
+      out.powerSgdState = state != nullptr;
+      out.powerSgdSteps = state ? state->step() : 0;
     }
   });
   std::ifstream in(dir + "/m.jsonl");
@@ -811,4 +817,20 @@ TEST(StepTiming, CompressAutoTakesPowerSgdOnASlowLinkAndItsWaitIsThePrediction) 
   const AutoRun fast = runAuto(10e9);
   EXPECT_EQ(fast.chosen, "none");
   EXPECT_FALSE(fast.powerSgdState);
+}
+
+// The choice goes into state files: a run resumed under --compress auto goes on with the
+// file's choice and PowerSGD's state (its step count, its memories), even where auto
+// would now choose otherwise (here: a fast link that would keep the plain allreduce).
+TEST(StepTiming, CompressAutoResumesWithTheChoiceItsStateFileWasTrainedWith) {
+  const std::string saveDir = hddp::testing::makeTempDir();
+  const AutoRun first = runAuto(2e6, saveDir, 6);
+  ASSERT_EQ(first.chosen.rfind("powersgd:", 0), 0u) << first.chosen;
+  ASSERT_EQ(first.powerSgdSteps, 6);
+  const AutoRun resumed = runAuto(10e9, saveDir, 12);
+  EXPECT_EQ(resumed.chosen, first.chosen);
+  EXPECT_TRUE(resumed.powerSgdState);
+  EXPECT_EQ(resumed.powerSgdSteps, 12) << "the saved step count goes on";
+  // Without a state file the same fast link keeps the plain allreduce.
+  EXPECT_EQ(runAuto(10e9, hddp::testing::makeTempDir(), 3).chosen, "none");
 }

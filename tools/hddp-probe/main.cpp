@@ -156,8 +156,9 @@ int showJob(const std::string& dir, bool asJson) {
 json priceCompression(const ProbePlan& p, const ProbeOptions& o, const hddp_probe::WhatIfOptions& w,
                       std::vector<std::string>& advice) {
   const bool choose = w.settings.compression == "auto";
+  const hddp::AmpMode amp = hddp::parseAmpMode(w.amp.empty() ? "off" : w.amp);
   const std::vector<hddp::CompressionSpec> specs =
-      choose ? hddp::autoCandidates(hddp::AmpMode::Off)
+      choose ? hddp::autoCandidates(amp)
              : std::vector<hddp::CompressionSpec>{
                    hddp::CompressionSpec::parse(w.settings.compression)};
   bool needShapes = false;
@@ -165,7 +166,8 @@ json priceCompression(const ProbePlan& p, const ProbeOptions& o, const hddp_prob
     needShapes = needShapes || s.kind == hddp::CompressionSpec::Kind::PowerSgd;
   }
   hddp::GradientLayout layout;
-  if (needShapes) {
+  const bool modelGiven = !w.model.empty() || !w.modelFile.empty() || !w.profileFile.empty();
+  if (needShapes || (o.paramBytes <= 0 && modelGiven)) {
     layout.shapes = hddp_probe::gradientShapesOf(w);
   } else {
     layout.shapes = {{static_cast<int64_t>(o.paramBytes / 4)}};  // bytes are all that count

@@ -455,8 +455,10 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
         try {
           hddp::CompressionSpec::parse(v);
           return {};
-        } catch (const hddp::ConfigError& e) {
-          return e.what();
+        } catch (const hddp::ConfigError&) {
+          return "'" + v +
+                 "' is not none, fp16, bf16, powersgd, powersgd:RANK (RANK a whole "
+                 "number from 1) or auto";
         }
       })
       ->capture_default_str()

@@ -5,7 +5,8 @@
 //                 viewed as rows x (the rest), rank r = min(rows, cols, R): (rows + cols)
 //                 x r elements of P and Q in the wire type when that is at least
 //                 minCompressionRate times fewer than rows x cols, else the gradient
-//                 whole (1-D tensors always whole), as hddp's and PyTorch's hooks decide
+//                 whole (a 1-D tensor is rows x 1: whole unless the rate is under 1), as the hooks
+//                 decide
 //   messages      one allreduce per bucket; PowerSGD two (the whole gradients with P,
 //                 then Q; three when P travels in another type) and DDP's one-element
 //                 status allreduce after the last bucket
@@ -16,9 +17,11 @@
 //                 orthogonalisation (2 rows r^2), and about eight passes over M in device
 //                 memory (error feedback in, the approximation out); the Trainer times it
 //                 on the rank's device, what-if models it from the device table
-//   exposed       max(allreduce - backward, allreduce x last bucket's share) + compute:
-//                 buckets go out during backward, the last (the first layers') cannot
-//                 hide, and the compression runs in line with backward
+//   exposed       max(allreduce - backward, allreduce x (last bucket's share + the
+//                 share sent after backward)) + compute: buckets go out during
+//                 backward, the last (the first layers') cannot hide, PowerSGD's Q round
+//                 starts only when every bucket's first round is done, and the
+//                 compression runs in line with backward
 //
 // The choice among none, fp16 (bf16 under bf16 AMP), PowerSGD rank 4 and rank 1, in that
 // order of fidelity: the first that hides (its allreduce and compute fit in backward);
@@ -88,6 +91,9 @@ struct CompressionCost {
   int messages = 0;          // allreduces per step
   double flops = 0.0;        // the compression's own arithmetic (PowerSGD)
   double memoryBytes = 0.0;  // its device-memory traffic
+  /// The share of the wire bytes sent only once backward is over: PowerSGD's Q round,
+  /// which starts when every bucket's first round is done.
+  double endShare = 0.0;
   double allreduceSeconds = 0.0;
   double computeSeconds = 0.0;
   double exposedSeconds = 0.0;  // allreduce not hidden by backward, plus compute
@@ -107,6 +113,12 @@ CompressionCost compressionTraffic(const CompressionSpec& spec, const GradientLa
 /// the compression's own (measured or modelled).
 CompressionCost priceCompression(CompressionCost cost, const GradientLayout& layout,
                                  const LinkBudget& link, double computeSeconds);
+
+/// The part of an allreduce of `allreduce` seconds that backward (`backward` seconds)
+/// does not hide: max(allreduce - backward, allreduce x (lastShare + endShare)), the
+/// last bucket's share and the part sent after backward being out once backward ends.
+double exposedAllreduceSeconds(double allreduce, double backward, double lastShare,
+                               double endShare);
 
 /// `--compress auto`'s candidates in order of fidelity: none, fp16 (bf16 under bf16
 /// AMP), powersgd:4, powersgd:1.

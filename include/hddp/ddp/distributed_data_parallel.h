@@ -205,6 +205,11 @@ class DistributedDataParallel {
   /// With GradCompression::PowerSgd: the hook's state (to save and load it, to read its
   /// step); null otherwise.
   const std::shared_ptr<PowerSgdState>& powerSgdState() const;
+  /// Replaces what is sent for the gradients, before the first step (the Trainer resolves
+  /// GradCompression::Auto through it, once DDP has checked that the ranks' models
+  /// agree). Every rank must make the same call. ConfigError once a step has begun, when
+  /// DdpOptions::commHook is set, or for Auto.
+  void setCompression(GradCompression compression, const PowerSgdOptions& powerSgd = {});
 
   class Impl;
 

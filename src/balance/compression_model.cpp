@@ -214,10 +214,10 @@ CompressionCost priceCompression(CompressionCost cost, const GradientLayout& lay
         (cost.messages - 1) *
             emulatedCollectiveSeconds(CollectiveKind::Allreduce, 0.0, link.ranks, l);
   }
-  cost.hidden = cost.allreduceSeconds + computeSeconds <= link.backwardSeconds;
   cost.exposedSeconds = exposedAllreduceSeconds(cost.allreduceSeconds, link.backwardSeconds,
                                                 layout.lastBucketShare(), cost.endShare) +
                         computeSeconds;
+  cost.hidden = exposesLittle(cost.exposedSeconds, link.backwardSeconds);
   return cost;
 }
 
@@ -227,6 +227,10 @@ double exposedAllreduceSeconds(double allreduce, double backward, double lastSha
     return 0.0;
   }
   return std::max(allreduce - backward, allreduce * std::min(1.0, lastShare + endShare));
+}
+
+bool exposesLittle(double exposedSeconds, double backwardSeconds) {
+  return exposedSeconds <= 0.05 * backwardSeconds / kBackwardShare;
 }
 
 std::vector<CompressionSpec> autoCandidates(AmpMode amp) {
@@ -278,7 +282,7 @@ CompressionDecision chooseCompression(const std::vector<CompressionCost>& priced
             compared + ")";
   } else if (d.chosen.hidden) {
     d.why = d.chosen.spec.name() +
-            ": the most faithful choice whose allreduce hides behind backward (" + link_ +
+            ": the most faithful choice that hides its allreduce behind backward (" + link_ +
             compared + ")";
   } else {
     d.why = d.chosen.spec.name() +

@@ -245,7 +245,7 @@ Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCo
     c.allreduceSeconds = step.allreduce;
     c.computeSeconds = mix.size() > 1 ? t.computeSeconds : 0.0;
     c.exposedSeconds = step.exposed;
-    c.hidden = step.allreduce + c.computeSeconds <= step.backward;
+    c.hidden = exposesLittle(c.exposedSeconds, step.backward);
     link.bytesPerSecond = step.slowestLinkBytesPerSecond;
     link.backwardSeconds = step.backward;
     priced.push_back(c);

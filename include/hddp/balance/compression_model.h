@@ -24,7 +24,8 @@
 //                 compression runs in line with backward
 //
 // The choice among none, fp16 (bf16 under bf16 AMP), PowerSGD rank 4 and rank 1, in that
-// order of fidelity: the first that hides (its allreduce and compute fit in backward);
+// order of fidelity: the first that hides its allreduce (exposes, compute included, at
+// most 5% of the step's compute: the last bucket of a plain allreduce often shows more);
 // where none does, the one that exposes least, or a more faithful one within 5% of the
 // step's compute of it.
 #pragma once
@@ -97,7 +98,7 @@ struct CompressionCost {
   double allreduceSeconds = 0.0;
   double computeSeconds = 0.0;
   double exposedSeconds = 0.0;  // allreduce not hidden by backward, plus compute
-  /// The allreduce and the compute fit in backward (only the last bucket shows).
+  /// It exposes little: exposesLittle(exposedSeconds, backward).
   bool hidden = false;
 
   /// "powersgd:4: 0.41 MB in 5 allreduces, 82 ms over the link, 3.1 ms compute, 12 ms
@@ -119,6 +120,10 @@ CompressionCost priceCompression(CompressionCost cost, const GradientLayout& lay
 /// last bucket's share and the part sent after backward being out once backward ends.
 double exposedAllreduceSeconds(double allreduce, double backward, double lastShare,
                                double endShare);
+
+/// Whether `exposedSeconds` is little enough to count as hidden: at most 5% of the
+/// step's compute (backwardSeconds / kBackwardShare).
+bool exposesLittle(double exposedSeconds, double backwardSeconds);
 
 /// `--compress auto`'s candidates in order of fidelity: none, fp16 (bf16 under bf16
 /// AMP), powersgd:4, powersgd:1.

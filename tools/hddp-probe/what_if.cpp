@@ -259,7 +259,13 @@ void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const 
                 d.computeSeconds * 1e3, d.transferSeconds * 1e3, d.stepSeconds * 1e3,
                 d.memoryBytes / kGiB);
   }
-  if (r.allreduceSeconds > 0) {
+  if (r.allreduceSeconds > 0 && r.compression.spec.kind == hddp::CompressionSpec::Kind::None) {
+    std::printf(
+        "  allreduce: %.1f MB of gradients over the slowest link (%.1f GB/s, ring): "
+        "%.2f ms, %.2f ms exposed after backward\n",
+        p.parameterBytes / 1e6, r.slowestLinkGBps, r.allreduceSeconds * 1e3,
+        r.exposedAllreduceSeconds * 1e3);
+  } else if (r.allreduceSeconds > 0) {
     std::printf(
         "  allreduce: %.1f MB of gradients (%.3g MB on the wire, %s) over the slowest link "
         "(%.1f GB/s, ring): %.2f ms, %.2f ms exposed after backward",

@@ -123,19 +123,25 @@ std::vector<std::vector<std::string>> DistributedDataParallel::Impl::layout() co
 }
 
 void DistributedDataParallel::Impl::installHook() {
-  hookSumsWholeBuffer_ = !options_.commHook && options_.compression != GradCompression::PowerSgd;
-  powerSgd_.reset();
+  // Built first, kept only when every part is made (PowerSgdState checks its options).
+  std::shared_ptr<PowerSgdState> powerSgd;
+  CommHook hook;
   if (options_.commHook) {
-    hook_ = options_.commHook;
+    hook = options_.commHook;
   } else if (options_.compression == GradCompression::PowerSgd) {
-    powerSgd_ = std::make_shared<PowerSgdState>(options_.powerSgd);
-    hook_ = powerSgdHook(powerSgd_);
+    powerSgd = std::make_shared<PowerSgdState>(options_.powerSgd);
+    hook = powerSgdHook(powerSgd);
   } else if (options_.compression == GradCompression::None) {
-    hook_ = allreduceHook();
+    hook = allreduceHook();
   } else {
-    hook_ = compressedAllreduceHook(options_.compression == GradCompression::Fp16 ? at::kHalf
-                                                                                  : at::kBFloat16);
+    hook = compressedAllreduceHook(options_.compression == GradCompression::Fp16 ? at::kHalf
+                                                                                 : at::kBFloat16);
   }
+  hookSumsWholeBuffer_ = !options_.commHook && options_.compression != GradCompression::PowerSgd;
+  powerSgd_ = std::move(powerSgd);
+  hook_ = std::move(hook);
+  statusWire_ = at::Tensor();  // nothing of an earlier hook's status is left to copy back
+  statusWork_ = Work();
 }
 
 }  // namespace hddp

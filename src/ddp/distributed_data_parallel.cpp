@@ -51,9 +51,15 @@ void DistributedDataParallel::setCompression(GradCompression compression,
   HDDP_CHECK_AS(ConfigError, d.step_ == 0 && !d.stepActive_,
                 "setCompression: the compression is set before the first step, and ", d.step_,
                 " steps have run");
+  const DdpOptions before = d.options_;
   d.options_.compression = compression;
   d.options_.powerSgd = powerSgd;
-  d.installHook();
+  try {
+    d.installHook();
+  } catch (...) {
+    d.options_ = before;  // the hook in place stays, and so do the options it was made of
+    throw;
+  }
 }
 
 namespace detail {

@@ -204,6 +204,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   std::vector<RankCost> seed;
   if (seeded || autoCompress) {
     seed = seedCosts(*train, emulation);
+    seedCosts_ = seed;
   }
   if (autoCompress) {
     resolveCompression(seed, emulation);

@@ -70,10 +70,9 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
   constexpr size_t kPowerSgdRanks = 2;
   const int powerSgdRanks[kPowerSgdRanks] = {4, 1};
   std::array<double, kPowerSgdRanks + 2> mine{};
-  const bool priced = slowest.slowestLinkBytesPerSecond > 0 || emulation.linkLatencySeconds > 0;
   for (size_t k = 0; k < kPowerSgdRanks; ++k) {
-    if (!priced || comm_.size() == 1) {
-      continue;  // nothing to price: PowerSGD's compute would not decide
+    if (comm_.size() == 1) {
+      continue;  // nothing is sent
     }
     PowerSgdOptions o = options_.ddp.powerSgd;
     o.rank = powerSgdRanks[k];
@@ -162,6 +161,35 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
       d.chosen.spec.kind == CompressionSpec::Kind::PowerSgd
           ? "; PowerSGD starts at step " + std::to_string(options_.ddp.powerSgd.startStep)
           : std::string());
+}
+
+void Trainer::Impl::adoptCompression(const std::string& name) {
+  if (name.empty() || name == compressionName_) {
+    return;
+  }
+  compressionName_ = name;
+  if (name == "hook") {
+    return;
+  }
+  const CompressionSpec spec = CompressionSpec::parse(name, "the state file's compression");
+  switch (spec.kind) {
+    case CompressionSpec::Kind::None:
+      options_.ddp.compression = GradCompression::None;
+      break;
+    case CompressionSpec::Kind::Fp16:
+      options_.ddp.compression = GradCompression::Fp16;
+      break;
+    case CompressionSpec::Kind::Bf16:
+      options_.ddp.compression = GradCompression::Bf16;
+      break;
+    case CompressionSpec::Kind::PowerSgd:
+      options_.ddp.compression = GradCompression::PowerSgd;
+      options_.ddp.powerSgd.rank = spec.rank;
+      break;
+  }
+  if (!seedCosts_.empty()) {
+    predictAllreduce(seedCosts_);  // allreduce_predicted_s for what is sent now
+  }
 }
 
 void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {

@@ -100,6 +100,9 @@ class Trainer::Impl {
   /// GradCompression::Auto made a choice (options_.ddp) from the seed's slowest link and
   /// backward, and each rank's timed PowerSGD compute; logged with why.
   void resolveCompression(const std::vector<RankCost>& seed, const EmulationOptions& emulation);
+  /// A state file's compression (`name`) that the load put in place of this run's choice:
+  /// options_.ddp, compressionName_ and the allreduce's prediction follow it.
+  void adoptCompression(const std::string& name);
   /// The user's evaluation, timed; an empty result keeps the last one.
   std::map<std::string, double> evaluate();
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
@@ -142,6 +145,9 @@ class Trainer::Impl {
   std::string compressionName_;
   // GradCompression::Auto chose it (a resume then adopts a state file's choice).
   bool compressionChosen_ = false;
+  // The seed's costs, by rank (empty without a seed): the allreduce's prediction again
+  // when a resume changes the compression.
+  std::vector<RankCost> seedCosts_;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;

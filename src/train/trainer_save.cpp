@@ -76,9 +76,7 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
                   " (missing or empty folder): starting fresh");
     return;
   }
-  if (!loaded.compression.empty()) {
-    compressionName_ = loaded.compression;  // the file's, when --compress auto adopted it
-  }
+  adoptCompression(loaded.compression);  // the file's, when --compress auto adopted it
   step_ = loaded.meta.step;
   epoch_ = loaded.meta.epoch;
   thisEpoch_.midEpoch = loaded.meta.midEpoch;

@@ -831,6 +831,9 @@ TEST(StepTiming, CompressAutoResumesWithTheChoiceItsStateFileWasTrainedWith) {
   EXPECT_EQ(resumed.chosen, first.chosen);
   EXPECT_TRUE(resumed.powerSgdState);
   EXPECT_EQ(resumed.powerSgdSteps, 12) << "the saved step count goes on";
+  // allreduce_predicted_s follows what is sent: PowerSGD's bytes, not the plain 1.05 MB.
+  EXPECT_GT(resumed.predicted, 0.0);
+  EXPECT_LT(resumed.predicted, 0.1 * 1.05e6 / 10e9);
   // Without a state file the same fast link keeps the plain allreduce.
   EXPECT_EQ(runAuto(10e9, hddp::testing::makeTempDir(), 3).chosen, "none");
 }

@@ -43,6 +43,20 @@ CompressionSpec specOf(const DdpOptions& ddp) {
 
 }  // namespace
 
+GradCompression train::gradCompressionOf(const CompressionSpec& spec) {
+  switch (spec.kind) {
+    case CompressionSpec::Kind::Fp16:
+      return GradCompression::Fp16;
+    case CompressionSpec::Kind::Bf16:
+      return GradCompression::Bf16;
+    case CompressionSpec::Kind::PowerSgd:
+      return GradCompression::PowerSgd;
+    case CompressionSpec::Kind::None:
+      break;
+  }
+  return GradCompression::None;
+}
+
 std::string train::compressionName(const DdpOptions& ddp) {
   return ddp.commHook ? "hook" : specOf(ddp).name();
 }
@@ -131,20 +145,9 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
     candidates.push_back(priceCompression(compressionTraffic(spec, layout), layout, link, compute));
   }
   const CompressionDecision d = chooseCompression(candidates, link);
-  switch (d.chosen.spec.kind) {
-    case CompressionSpec::Kind::None:
-      options_.ddp.compression = GradCompression::None;
-      break;
-    case CompressionSpec::Kind::Fp16:
-      options_.ddp.compression = GradCompression::Fp16;
-      break;
-    case CompressionSpec::Kind::Bf16:
-      options_.ddp.compression = GradCompression::Bf16;
-      break;
-    case CompressionSpec::Kind::PowerSgd:
-      options_.ddp.compression = GradCompression::PowerSgd;
-      options_.ddp.powerSgd.rank = d.chosen.spec.rank;
-      break;
+  options_.ddp.compression = train::gradCompressionOf(d.chosen.spec);
+  if (options_.ddp.compression == GradCompression::PowerSgd) {
+    options_.ddp.powerSgd.rank = d.chosen.spec.rank;
   }
   // The same figures give the same choice; a rank of another build could still differ.
   const auto choices = allgatherValue(
@@ -172,20 +175,9 @@ void Trainer::Impl::adoptCompression(const std::string& name) {
     return;
   }
   const CompressionSpec spec = CompressionSpec::parse(name, "the state file's compression");
-  switch (spec.kind) {
-    case CompressionSpec::Kind::None:
-      options_.ddp.compression = GradCompression::None;
-      break;
-    case CompressionSpec::Kind::Fp16:
-      options_.ddp.compression = GradCompression::Fp16;
-      break;
-    case CompressionSpec::Kind::Bf16:
-      options_.ddp.compression = GradCompression::Bf16;
-      break;
-    case CompressionSpec::Kind::PowerSgd:
-      options_.ddp.compression = GradCompression::PowerSgd;
-      options_.ddp.powerSgd.rank = spec.rank;
-      break;
+  options_.ddp.compression = train::gradCompressionOf(spec);
+  if (options_.ddp.compression == GradCompression::PowerSgd) {
+    options_.ddp.powerSgd.rank = spec.rank;
   }
   if (!seedCosts_.empty()) {
     predictAllreduce(seedCosts_);  // allreduce_predicted_s for what is sent now

@@ -404,11 +404,7 @@ StateParts adoptSavedCompression(const StateParts& parts, InputArchive& file,
     const CompressionSpec spec = CompressionSpec::parse(saved, path + ": compression");
     PowerSgdOptions o = *parts.adoptCompression;
     o.rank = spec.rank;
-    const GradCompression c = spec.kind == CompressionSpec::Kind::Fp16   ? GradCompression::Fp16
-                              : spec.kind == CompressionSpec::Kind::Bf16 ? GradCompression::Bf16
-                              : spec.kind == CompressionSpec::Kind::PowerSgd
-                                  ? GradCompression::PowerSgd
-                                  : GradCompression::None;
+    const GradCompression c = gradCompressionOf(spec);
     try {
       parts.ddp->setCompression(c, o);
     } catch (const ConfigError& e) {  // steps have run in this process: too late to switch

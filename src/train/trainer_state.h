@@ -43,6 +43,8 @@ class Communicator;
 class GradScaler;
 class PowerSgdState;
 struct PowerSgdOptions;
+struct CompressionSpec;
+enum class GradCompression;
 class DistributedDataParallel;
 
 namespace train {
@@ -104,6 +106,9 @@ struct StateParts {
   /// and a file made with another one says so in the log.
   const PowerSgdOptions* adoptCompression = nullptr;
 };
+
+/// The DDP compression `spec` names (its rank aside).
+GradCompression gradCompressionOf(const CompressionSpec& spec);
 
 /// Writes the state file of `meta.step` in `directory` (rank 0; collective), keeping
 /// the newest `keepLast` there. Returns the path.

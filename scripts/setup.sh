@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what hddp needs on Debian 12, only what is missing (idempotent):
 #   - Debian packages: compilers and tools, spdlog, fmt, CLI11, nlohmann-json, stb, zlib,
-#     GoogleTest, ccache, Ninja, Fashion-MNIST;
+#     GoogleTest, ccache, Ninja, Fashion-MNIST, Slurm and MUNGE (the engines test);
 #   - the torch wheel (LibTorch, pinned to the GPU machine's 2.11.0) in a virtual
 #     environment outside the repository, $HDDP_VENV (default /opt/hddp-venv).
 # Prints the Python to use. Safe to run again; does nothing when all is there.
@@ -9,10 +9,11 @@ set -euo pipefail
 
 TORCH_VERSION=${HDDP_TORCH_VERSION:-2.11.0}
 MATPLOTLIB_VERSION=3.9.2
+PYYAML_VERSION=6.0.3
 VENV=${HDDP_VENV:-/opt/hddp-venv}
 APT_PACKAGES=(build-essential cmake ninja-build ccache git python3 python3-venv
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev
-  libgtest-dev dataset-fashion-mnist)
+  libgtest-dev dataset-fashion-mnist slurmctld slurmd slurm-client munge)
 
 log() { echo "setup: $*" >&2; }
 
@@ -46,5 +47,10 @@ fi
 if ! "$VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
   log "installing matplotlib==$MATPLOTLIB_VERSION into $VENV (hddp-plot)"
   $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "matplotlib==$MATPLOTLIB_VERSION" >&2
+fi
+# PyYAML for the checks of the Kubernetes manifest (tests/engines/pytorchjob_*_test.py).
+if ! "$VENV/bin/python" -c "import yaml" 2>/dev/null; then
+  log "installing pyyaml==$PYYAML_VERSION into $VENV (the PyTorchJob manifest's tests)"
+  $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "pyyaml==$PYYAML_VERSION" >&2
 fi
 echo "$VENV/bin/python"

@@ -7,11 +7,14 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <exception>
+#include <random>
 #include <thread>
 #include <tuple>
 
 #include "comm/loopback.h"
+#include "comm/round.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -44,6 +47,53 @@ std::pair<std::string, std::string> requestedBackend(const InitOptions& options)
 }
 
 }  // namespace
+
+std::string agreeOnRound(Store& store, int rank, int worldSize, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto late = [&] { return std::chrono::steady_clock::now() >= deadline; };
+  const std::string current = "hddp/round";
+  if (rank == 0) {
+    char nonce[48];
+    std::random_device device;
+    std::snprintf(nonce, sizeof(nonce), "%08x%08x-%d", device(), device(),
+                  static_cast<int>(getpid()));
+    const std::string round = nonce;
+    const std::string joined = current + "/" + round + "/joined";
+    store.set(current, round);
+    while (store.add(joined, 0) < worldSize - 1) {
+      HDDP_CHECK_AS(DistributedError, !late(), "rendezvous: only ", store.add(joined, 0), " of ",
+                    worldSize - 1, " other ranks joined round ", round, " within ",
+                    timeout.count() / 1000, " s on ", store.description(),
+                    "; check that every rank is running and reachable, or raise the timeout "
+                    "(HDDP_TIMEOUT_SEC)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    store.set(current + "/" + round + "/go", std::string("1"));
+    return round;
+  }
+  // A round already announced as complete ("go") before this rank joined belongs to an
+  // earlier generation: wait for rank 0 to announce this one.
+  std::string joinedRound;
+  while (true) {
+    HDDP_CHECK_AS(DistributedError, !late(), "rendezvous: rank 0 did not announce a round ",
+                  "within ", timeout.count() / 1000, " s on ", store.description(),
+                  "; check that rank 0 is running, or raise the timeout (HDDP_TIMEOUT_SEC)");
+    if (store.check({current})) {
+      const std::string round = store.getString(current);
+      const std::string go = current + "/" + round + "/go";
+      if (round == joinedRound) {
+        if (store.check({go})) {
+          return round;
+        }
+      } else if (!store.check({go})) {
+        store.add(current + "/" + round + "/joined", 1);
+        joinedRound = round;
+        continue;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
 
 std::vector<RankDeviceClaim> exchangeDeviceClaims(Store& store, int rank, int worldSize,
                                                   const RankDeviceClaim& mine,
@@ -121,6 +171,11 @@ DistributedContext initFromEnv(const InitOptions& options) {
       explicitTimeout.count() > 0 ? explicitTimeout
                                   : defaultTimeout(guessNccl ? Backend::Nccl : Backend::Gloo);
 
+  // Keys of this generation: a launcher's restart count, which every rank shares; under
+  // torchrun its agents count their own failures (a node that joins counts none), so
+  // there it is the store of the generation that tells them apart (below).
+  std::string round = info.launcher == Launcher::Torchrun ? std::string("torchrun")
+                                                          : std::to_string(info.restartCount);
   auto makeStore = [&]() -> Store {
     if (info.worldSize == 1 && !info.useAgentStore) {
       return Store::memory(storeTimeout);
@@ -130,8 +185,13 @@ DistributedContext initFromEnv(const InitOptions& options) {
     opts.port = static_cast<uint16_t>(info.masterPort);
     opts.timeout = storeTimeout;
     if (info.useAgentStore) {
+      // torchrun's agent keeps one store through its rendezvous rounds, and a membership
+      // change leaves the restart count (which only failures raise, each agent its own):
+      // the ranks agree on a round of their own, whose keys are theirs alone.
       opts.isServer = false;
-      return Store::tcp(opts).withPrefix("/worker/attempt_" + std::to_string(info.restartCount));
+      Store agent = Store::tcp(opts);
+      round = agreeOnRound(agent, info.rank, info.worldSize, storeTimeout);
+      return agent.withPrefix("/hddp/" + round);
     }
     opts.isServer = info.rank == 0;
     opts.worldSize = info.worldSize;
@@ -144,8 +204,7 @@ DistributedContext initFromEnv(const InitOptions& options) {
   std::vector<RankDeviceClaim> claims{mine};
   try {
     if (info.worldSize > 1) {
-      claims = exchangeDeviceClaims(store, info.rank, info.worldSize, mine,
-                                    std::to_string(info.restartCount), storeTimeout);
+      claims = exchangeDeviceClaims(store, info.rank, info.worldSize, mine, round, storeTimeout);
     }
   } catch (const Error&) {
     if (!localError) {

@@ -61,7 +61,7 @@ SampleLog::~SampleLog() {
   }
 }
 
-void SampleLog::open(int rank, int generation) {
+void SampleLog::open(int rank, int64_t generation) {
   const std::string path = env::resolveString("HDDP_LOG_SAMPLES").value;
   if (path.empty() || file_) {
     return;
@@ -76,7 +76,8 @@ void SampleLog::write(int64_t step, int rank, const std::vector<int64_t>& indice
   if (!file_) {
     return;
   }
-  std::fprintf(file_, "%d %lld %d", generation_, static_cast<long long>(step), rank);
+  std::fprintf(file_, "%lld %lld %d", static_cast<long long>(generation_),
+               static_cast<long long>(step), rank);
   for (int64_t i : indices) {
     std::fprintf(file_, " %lld", static_cast<long long>(i));
   }
@@ -124,10 +125,30 @@ int64_t ProgressMark::newest(const std::string& dir) {
   return newest;
 }
 
-ElasticRun::ElasticRun(const LaunchInfo& launch) : launch_(launch) {}
+namespace {
+// A launcher's variable (not one of hddp's own, which env.h's registry holds).
+std::string launcherVariable(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? value : "";
+}
+}  // namespace
+
+ElasticRun::ElasticRun(const LaunchInfo& launch)
+    : launch_(launch),
+      runId_(launcherVariable(protocol::kEnvRunId)),
+      // torchrun sets it ("True"/"False") in every rank's environment; hddp-run does not.
+      underAgent_(!launch.elastic && !launcherVariable("TORCHELASTIC_USE_AGENT_STORE").empty()),
+      recordDir_(launch.elasticDir) {}
+
+void ElasticRun::commitForAgent(const std::string& saveDir) {
+  if (underAgent_ && !saveDir.empty()) {
+    agentCommits_ = true;
+    recordDir_ = saveDir;
+  }
+}
 
 int64_t ElasticRun::begin(int rank, const std::string& saveDir) {
-  sampleLog_.open(rank, restarts());
+  (void)rank;
   if (!enabled()) {
     return -1;
   }
@@ -135,7 +156,9 @@ int64_t ElasticRun::begin(int rank, const std::string& saveDir) {
   HDDP_CHECK_AS(ConfigError, !saveDir.empty(),
                 "an elastic job needs a folder for its commits: give saveDir (--save-dir) or "
                 "run under hddp-run, which sets HDDP_ELASTIC_DIR");
-  return restarts() > 0 ? ProgressMark::newest(saveDir) : -1;
+  // Under torchrun's agent a generation after a membership change keeps the restart
+  // count: the job's marks (tagged by its id) are what says it is not the first.
+  return restarts() > 0 || agentCommits_ ? ProgressMark::newest(saveDir) : -1;
 }
 
 void ElasticRun::startCommits(int64_t step) {
@@ -144,14 +167,17 @@ void ElasticRun::startCommits(int64_t step) {
   nextCommit_ = step + commitEvery_;
 }
 
-void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
-                         const std::string& saveDir) {
+void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached, bool resumed,
+                         const std::string& saveDir, int64_t agreedStart) {
+  // Under torchrun's agent the restart count stays through a membership change: the
+  // generation's start (unix seconds, agreed by the ranks) tells generations apart.
+  sampleLog_.open(rank, underAgent_ && agreedStart > 0 ? agreedStart : restarts());
   if (!enabled()) {
     return;
   }
-  const bool restarted = restarts() > 0;
+  const bool restarted = restarts() > 0 || (agentCommits_ && resumed);
   if (rank == 0) {
-    jobRecord_.open(dir(), restarts());
+    jobRecord_.open(recordDir_, restarts());
     const int64_t repeated = restarted ? std::max<int64_t>(0, reached - step) : 0;
     jobRecord_.add(
         restarted ? "resumed" : "started",
@@ -164,7 +190,8 @@ void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
   } else if (restarted) {
     HDDP_LOG_SHARED("train", rank, "elastic: resumed at step ", step, "; no step is trained again");
   }
-  progressMark_.open(saveDir, slot());
+  // Under torchrun a rank has no slot: its rank names its mark (the newest of all counts).
+  progressMark_.open(saveDir, slot() >= 0 ? slot() : rank);
 }
 
 void ElasticRun::stepDone(int64_t step, bool first, int rank, const std::vector<int64_t>& indices) {

@@ -40,7 +40,9 @@ bool reformFileExists(const std::string& dir);
 int64_t commitInterval(double commitSeconds, double stepSeconds, double share = 0.02);
 
 /// Debugging and tests: HDDP_LOG_SAMPLES=<path> appends one line per step and rank,
-/// "<generation> <step> <rank> <index> <index> ...", to <path>.rank<r> of the rank.
+/// "<generation> <step> <rank> <index> <index> ...", to <path>.rank<r> of the rank. The
+/// generation is the restart count, or under torchrun's agent (whose count a membership
+/// change leaves) the generation's start in unix seconds: later generations are larger.
 class SampleLog {
  public:
   SampleLog() = default;
@@ -48,13 +50,13 @@ class SampleLog {
   SampleLog& operator=(const SampleLog&) = delete;
   ~SampleLog();
   /// Opens the rank's file when HDDP_LOG_SAMPLES is set (append).
-  void open(int rank, int generation);
+  void open(int rank, int64_t generation);
   bool enabled() const { return file_ != nullptr; }
   void write(int64_t step, int rank, const std::vector<int64_t>& indices);
 
  private:
   std::FILE* file_ = nullptr;
-  int generation_ = 0;
+  int64_t generation_ = 0;
 };
 
 /// Each rank of an elastic job marks the last step it finished in a small file of the
@@ -93,20 +95,36 @@ class ElasticRun {
   ElasticRun(const ElasticRun&) = delete;
   ElasticRun& operator=(const ElasticRun&) = delete;
 
-  bool enabled() const { return launch_.elastic; }
+  bool enabled() const { return launch_.elastic || agentCommits_; }
   /// The launcher's commit folder (HDDP_ELASTIC_DIR; empty: none).
   const std::string& dir() const { return launch_.elasticDir; }
+  /// The job's id (TORCHELASTIC_RUN_ID: torchrun's --rdzv-id, hddp-run's "hddp-<pid>";
+  /// empty: none).
+  const std::string& runId() const { return runId_; }
+  /// torchrun's elastic agent runs the ranks (TORCHELASTIC_USE_AGENT_STORE is set, and
+  /// this is not hddp-run's elastic job): it starts a new generation of ranks when a node
+  /// leaves or joins, with a restart count that only failures raise, so a generation
+  /// finds its job's commits by the job's id (runId()).
+  bool underAgent() const { return underAgent_; }
+  /// Under the agent, with a save folder: commits as in hddp-run's elastic job (the
+  /// interval re-derived at each commit, progress marks, rank 0's job record in
+  /// `saveDir`).
+  void commitForAgent(const std::string& saveDir);
   /// The launcher's slot (-1: none): who a rank is across generations.
   int slot() const { return launch_.slot; }
   int restarts() const { return launch_.jobRestarts; }
 
-  /// fit()'s start, before the resume: opens the sample log; in an elastic job listens
+  /// fit()'s start, before the resume: in an elastic job listens
   /// for re-form requests and says which step the previous generation reached (-1: none
   /// or not a restart), read before this generation marks any.
   int64_t begin(int rank, const std::string& saveDir);
-  /// After the resume, at `step`: rank 0 records the start (or resumption), the ranks say
-  /// which steps are trained again, and the progress mark opens.
-  void started(int rank, int worldSize, int64_t step, int64_t reached, const std::string& saveDir);
+  /// After the resume (`resumed`: from a commit), at `step`: rank 0 records the start (or
+  /// resumption), the ranks say which steps are trained again (`reached`: the newest
+  /// progress mark, agreed over the ranks' folders), and the progress mark opens.
+  /// `agreedStart`: the generation's start in unix seconds, the same on every rank (the
+  /// sample log's generation under torchrun's agent; 0: not known).
+  void started(int rank, int worldSize, int64_t step, int64_t reached, bool resumed,
+               const std::string& saveDir, int64_t agreedStart = 0);
   /// The commit schedule starts now, at `step` (after the ranks met: the first
   /// interval's time per step leaves the start-up out).
   void startCommits(int64_t step);
@@ -122,6 +140,10 @@ class ElasticRun {
 
  private:
   LaunchInfo launch_;
+  std::string runId_;
+  bool underAgent_ = false;
+  bool agentCommits_ = false;
+  std::string recordDir_;  // the job record's folder (HDDP_ELASTIC_DIR, or the save folder)
   SampleLog sampleLog_;
   ProgressMark progressMark_;
   JobRecord jobRecord_;       // rank 0

@@ -166,6 +166,18 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   if (elastic_.enabled() && options_.saveDir.empty()) {
     options_.saveDir = elastic_.dir();  // commits go where the launcher says (hddp-run)
   }
+  if (elastic_.underAgent()) {
+    // torchrun's agent starts new generations of ranks (a node left or joined, a rank
+    // failed): with a save folder they commit and resume as in hddp-run's elastic job.
+    if (!options_.saveDir.empty()) {
+      elastic_.commitForAgent(options_.saveDir);
+    } else if (comm.rank() == 0) {
+      HDDP_LOG_WARN("train", "torchrun's agent runs this job (id '", elastic_.runId(),
+                    "') but no save folder is given: a generation it starts after a node "
+                    "leaves or joins, or after a failure, trains from step 0. Give saveDir "
+                    "(--save-dir) to commit and resume");
+    }
+  }
   checkOptions(options_, train.get(), comm, device_);
   HDDP_LOG_INFO("train", "rank ", comm.rank(), " trains on ", device_.str(),
                 comm.device() != device_ ? " (" + std::string(backendName(comm.backend())) +
@@ -269,9 +281,24 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
-  const int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
+  int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
+  int64_t agreedStart = 0;
+  if (elastic_.enabled() || elastic_.underAgent()) {
+    // Each folder holds the marks of its own ranks: the newest of all of them; and one
+    // start time for the generation (the sample log's, under torchrun's agent).
+    const double now =
+        std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    at::Tensor t =
+        at::tensor({static_cast<double>(reached), std::floor(now)}, at::kDouble).to(comm_.device());
+    comm_.allreduce(t, {ReduceOp::Max}).wait();
+    comm_.synchronize();  // the host reads it next (Communicator::synchronize)
+    t = t.cpu();
+    reached = static_cast<int64_t>(t[0].item<double>());
+    agreedStart = static_cast<int64_t>(t[1].item<double>());
+  }
   resumeForFit();
-  elastic_.started(comm_.rank(), comm_.size(), step_, reached, options_.saveDir);
+  elastic_.started(comm_.rank(), comm_.size(), step_, reached, run_.resumed, options_.saveDir,
+                   agreedStart);
   reporter_ = train::Reporter(
       options_.metricsPath, comm_.rank(),
       /*append=*/run_.resumed || elastic_.restarts() > 0, options_.progress != ProgressMode::Off,
@@ -321,34 +348,53 @@ TrainSummary Trainer::Impl::fit() {
 }
 
 void Trainer::Impl::resumeForFit() {
-  const int restarts = elastic_.restarts();
-  std::string resume = options_.resume;
-  // On a restart or re-forming the newest commit of the save folder wins: `resume`
-  // (--resume) only starts a run whose save folder holds no state yet, so work
-  // committed since is never trained again.
-  if (restarts > 0 && options_.resumeOnRestart && !options_.saveDir.empty() &&
-      (resume.empty() || !listStateFiles(options_.saveDir).empty())) {
-    HDDP_LOG_SHARED("train", comm_.rank(), "restart ", restarts,
-                    " by the launcher: resuming from the newest state in ", options_.saveDir,
-                    resume.empty() || resume == options_.saveDir
-                        ? std::string()
-                        : " (not from " + resume + ", which only starts a run)");
-    resume = options_.saveDir;
-  }
+  // The launcher's restart count, agreed: under torchrun's agent a node that joins counts
+  // its own failures (none), the others theirs.
+  at::Tensor agreed =
+      at::full({1}, static_cast<double>(elastic_.restarts()), at::kDouble).to(comm_.device());
+  comm_.allreduce(agreed, {ReduceOp::Max}).wait();
+  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
+  const int restarts = static_cast<int>(agreed.cpu().item<double>());
+  // Under torchrun's agent a generation that follows a membership change has no restart
+  // to count: the job's own commits (its id in the file) say where it stands.
+  const bool agentJob = elastic_.underAgent() && !elastic_.runId().empty();
+  const std::string& resume = options_.resume;
   budget_.endStep = 0;
   budget_.secondsBefore = 0;
   budget_.startStep = step_;
   budget_.evaluationSeconds = 0;
-  // The same job's own commit: its time budget goes on (not a --resume of another run).
-  budget_.carry = restarts > 0 && options_.timeBudgetSeconds > 0 && resume == options_.saveDir;
-  run_.restarted = restarts > 0;
-  if (!resume.empty()) {
+  bool resumed = false;
+  // On a restart or a new generation the newest commit of the save folder wins: `resume`
+  // (--resume) only starts a run whose save folder holds no state yet, so work committed
+  // since is never trained again.
+  if (options_.resumeOnRestart && !options_.saveDir.empty() && (restarts > 0 || agentJob)) {
+    // The same job's own commit: its time budget goes on (not a --resume of another run).
+    budget_.carry = options_.timeBudgetSeconds > 0;
+    run_.restarted = true;
+    train::LoadOptions newest;
+    newest.keep = true;  // a folder without the commit keeps the copy it receives
+    newest.onlyRunId = restarts > 0 ? std::string() : elastic_.runId();
+    resumed = load(options_.saveDir, newest);
+    if (resumed) {
+      HDDP_LOG_SHARED("train", comm_.rank(),
+                      restarts > 0
+                          ? "restart " + std::to_string(restarts) + " by the launcher"
+                          : "a new generation of job '" + elastic_.runId() + "' (torchrun's agent)",
+                      ": resumed from the newest commit in ", options_.saveDir,
+                      resume.empty() || resume == options_.saveDir
+                          ? std::string()
+                          : " (not from " + resume + ", which only starts a run)");
+    }
+  }
+  if (!resumed && !resume.empty() && !(run_.restarted && resume == options_.saveDir)) {
+    budget_.carry = false;
+    run_.restarted = restarts > 0;
     load(resume);
   }
   budget_.carry = false;
   run_.restarted = false;
-  if (restarts == 0 && !resume.empty() && resume != options_.saveDir && !options_.saveDir.empty() &&
-      !listStateFiles(options_.saveDir).empty()) {
+  if (restarts == 0 && !resumed && !resume.empty() && resume != options_.saveDir &&
+      !options_.saveDir.empty() && !listStateFiles(options_.saveDir).empty()) {
     HDDP_LOG_WARN("train", "the save folder ", options_.saveDir,
                   " already holds state files; this run starts from ", resume,
                   ", but a restart by the launcher resumes from the newest file there: move "

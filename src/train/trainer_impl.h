@@ -12,6 +12,7 @@
 #include "hddp/balance/compression_model.h"
 #include "hddp/train/timeline.h"
 #include "hddp/train/trainer.h"
+#include "train/commit_folders.h"
 #include "train/elastic.h"
 #include "train/memory_meter.h"
 #include "train/reporter.h"
@@ -49,7 +50,9 @@ class Trainer::Impl {
 
   TrainSummary fit();
   std::string save();
-  void load(const std::string& fileOrDirectory);
+  /// Loads a state file, or the newest commit of a folder (the ranks' own folders where
+  /// they differ); false when there was none.
+  bool load(const std::string& fileOrDirectory, const train::LoadOptions& options = {});
   /// The planner's plan, or the equal split without balancing.
   BatchPlan currentPlan() const;
 
@@ -148,6 +151,8 @@ class Trainer::Impl {
   // The seed's costs, by rank (empty without a seed): the allreduce's prediction again
   // when a resume changes the compression.
   std::vector<RankCost> seedCosts_;
+  // Which ranks share the save folder (found at the first save or resume).
+  train::FolderGroups saveFolders_;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;

@@ -20,6 +20,8 @@ train::StateParts Trainer::Impl::stateParts() {
                           ddp_.get()};
   parts.compression = compressionName_;
   parts.adoptCompression = compressionChosen_ ? &options_.ddp.powerSgd : nullptr;
+  parts.runId = elastic_.runId();
+  parts.folders = &saveFolders_;
   return parts;
 }
 
@@ -69,12 +71,15 @@ std::string Trainer::Impl::saveMidEpoch() {
   return path;
 }
 
-void Trainer::Impl::load(const std::string& fileOrDirectory) {
-  const auto loaded = train::loadState(stateParts(), fileOrDirectory, options_.globalBatch);
+bool Trainer::Impl::load(const std::string& fileOrDirectory, const train::LoadOptions& options) {
+  const auto loaded =
+      train::loadState(stateParts(), fileOrDirectory, options_.globalBatch, options);
   if (loaded.path.empty()) {
-    HDDP_LOG_INFO("train", "no state file in ", fileOrDirectory,
-                  " (missing or empty folder): starting fresh");
-    return;
+    if (options.onlyRunId.empty()) {
+      HDDP_LOG_INFO("train", "no state file in ", fileOrDirectory,
+                    " (missing or empty folder): starting fresh");
+    }
+    return false;
   }
   adoptCompression(loaded.compression);  // the file's, when --compress auto adopted it
   step_ = loaded.meta.step;
@@ -121,6 +126,7 @@ void Trainer::Impl::load(const std::string& fileOrDirectory) {
                   thisEpoch_.midEpoch
                       ? " (mid-epoch, sample " + std::to_string(thisEpoch_.sampler.position) + ")"
                       : std::string());
+  return true;
 }
 
 }  // namespace hddp

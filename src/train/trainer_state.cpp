@@ -18,6 +18,7 @@
 #include "hddp/core/logging.h"
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/train/state_file.h"
+#include "train/commit_folders.h"
 #include "train/elastic.h"
 
 namespace hddp {
@@ -222,46 +223,31 @@ void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* pla
   }
 }
 
-// Rank 0 chooses the file (the newest valid one of a directory) and tells the others.
-std::string chooseStateFile(Communicator& comm, const std::string& fileOrDirectory) {
-  std::string chosen;
+// A state file named by the user: rank 0 checks it and tells the others (its error
+// reaches every rank, so none waits for the others until a timeout).
+std::string chooseStateFile(Communicator& comm, const std::string& file) {
   std::string problem;
   if (comm.rank() == 0) try {
-      std::error_code ec;
-      const bool exists = std::filesystem::exists(fileOrDirectory, ec);
-      const bool isFile = std::filesystem::path(fileOrDirectory).extension() == ".hddp";
-      if (!exists && !isFile) {
-        chosen.clear();  // a save folder not made yet: nothing to resume, start fresh
-      } else if (std::filesystem::is_directory(fileOrDirectory, ec)) {
-        auto files = listStateFiles(fileOrDirectory);
-        for (auto it = files.rbegin(); it != files.rend() && chosen.empty(); ++it) {
-          try {
-            readStateFile(*it);
-            chosen = *it;
-          } catch (const StateError& e) {
-            HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
-          }
-        }
-        if (chosen.empty() && !files.empty()) {
-          problem = "none of the " + std::to_string(files.size()) +
-                    " state files (state-NNNNNNNN.hddp) in " + fileOrDirectory +
-                    " is valid (see the warnings above); move them away to start fresh";
-        }
-      } else {
-        chosen = fileOrDirectory;
-      }
+      readStateFile(file);
     } catch (const c10::Error& e) {
-      // Rank 0's error (a file name it cannot read, ...) reaches every rank through the
-      // exchange below, so none waits for the others until a timeout.
-      chosen.clear();
       problem = e.what_without_backtrace();
     }
-  const std::string mine = problem.empty() ? chosen : "!" + problem;
+  const std::string mine = problem.empty() ? file : "!" + problem;
   const auto all = comm.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
   const std::string decided(all[0].begin(), all[0].end());
   HDDP_CHECK_AS(StateError, decided.empty() || decided[0] != '!',
                 "cannot resume: ", decided.substr(decided.empty() ? 0 : 1));
   return decided;
+}
+
+// Whether `path` names one file (rank 0's view, so that every rank takes the same way):
+// a name ending in .hddp, or an existing file that is not a folder.
+bool namesAFile(Communicator& comm, const std::string& path) {
+  std::error_code ec;
+  const bool file = std::filesystem::path(path).extension() == ".hddp" ||
+                    (std::filesystem::exists(path, ec) && !std::filesystem::is_directory(path, ec));
+  const auto all = comm.allgatherBytes({static_cast<uint8_t>(file ? 1 : 0)});
+  return all[0].at(0) == 1;
 }
 
 // The loaded optimizer state (on the host) goes to each parameter's device, as PyTorch's
@@ -330,7 +316,14 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
                       int keepLast) {
   const auto blobs = parts.comm.allgatherBytes(rankBlob(parts));
   const std::string path = stateFileName(directory, meta.step);
-  if (parts.comm.rank() != 0) {
+  // Rank 0 writes, and one rank of each folder it does not share (each rank holds the
+  // same parameters, optimizer and shared state; the ranks' own parts were gathered).
+  FolderGroups found;
+  FolderGroups* groups = parts.folders ? parts.folders : &found;
+  if (groups->empty() || groups->dir != directory) {
+    *groups = folderGroups(parts.comm, directory);
+  }
+  if (!groups->writes(parts.comm.rank())) {
     return path;
   }
   OutputArchive archive;
@@ -374,6 +367,10 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
       order += name + "\n";
     }
     archive.write("ddp_order", bytesTensor(std::vector<uint8_t>(order.begin(), order.end())));
+  }
+  if (!parts.runId.empty()) {
+    archive.write("run_id",
+                  bytesTensor(std::vector<uint8_t>(parts.runId.begin(), parts.runId.end())));
   }
   for (size_t r = 0; r < blobs.size(); ++r) {
     archive.write("rank" + std::to_string(r), bytesTensor(blobs[r]));
@@ -432,23 +429,46 @@ StateParts adoptSavedCompression(const StateParts& parts, InputArchive& file,
 }  // namespace
 
 LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
-                      int64_t globalBatch) {
+                      int64_t globalBatch, const LoadOptions& options) {
   LoadedState loaded;
-  loaded.path = chooseStateFile(parts.comm, fileOrDirectory);
+  std::string payload;
+  if (namesAFile(parts.comm, fileOrDirectory)) {
+    // One file, named: every rank reads it (rank 0 checks it first).
+    loaded.path = chooseStateFile(parts.comm, fileOrDirectory);
+  } else {
+    // A folder: the newest commit of the ranks' folders, sent to those without it.
+    // The save folder's groups are kept for the saves that follow.
+    FolderGroups found;
+    FolderGroups& groups = options.keep && parts.folders ? *parts.folders : found;
+    if (groups.empty() || groups.dir != fileOrDirectory) {
+      groups = folderGroups(parts.comm, fileOrDirectory, options.keep);
+    }
+    std::function<bool(const std::string&)> ofThisJob;
+    if (!options.onlyRunId.empty()) {
+      ofThisJob = [&options](const std::string& bytes) {
+        InputArchive file;
+        file.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
+        at::Tensor id;
+        return file.try_read("run_id", id) && tensorBytes(id) == options.onlyRunId;
+      };
+    }
+    ChosenCommit chosen = chooseCommit(parts.comm, groups, ofThisJob, options.keep);
+    loaded.path = chosen.path;
+    payload = std::move(chosen.payload);
+  }
   const std::string& path = loaded.path;
   if (path.empty()) {
     return loaded;  // an empty or missing folder: nothing to resume
   }
-  std::string payload;
-  try {
-    payload = readStateFile(path);
-  } catch (const StateError&) {
-    if (parts.comm.rank() != 0) {
-      HDDP_LOG_ERROR("train", "rank ", parts.comm.rank(), " cannot read ", path,
-                     ": the state directory must be visible to every rank");
+  if (payload.empty()) try {
+      payload = readStateFile(path);
+    } catch (const StateError&) {
+      if (parts.comm.rank() != 0) {
+        HDDP_LOG_ERROR("train", "rank ", parts.comm.rank(), " cannot read ", path,
+                       ": the state file must be visible to every rank");
+      }
+      throw;
     }
-    throw;
-  }
   // Every tensor onto the host first: the file holds rank 0's optimizer state on rank 0's
   // device (cuda:0, emu:0), which this rank may not have or not use.
   InputArchive archive;

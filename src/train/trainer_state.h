@@ -16,10 +16,13 @@
 //   compression     what DDP sent ("none", "fp16", "powersgd:4", ...; optional)
 //   ddp_order       DDP's parameters in bucket order, names separated by newlines
 //                   (optional: a file without it leaves DDP's own order)
+//   run_id          the launcher's job id (TORCHELASTIC_RUN_ID; optional): an agent's
+//                   next generation resumes only its own job's commits
 //   rank<r>         rank r's own archive, as bytes: its RNGs, its planner window and,
 //                   with PowerSGD, the hook's state (step, Q memories, this rank's
 //                   error memories)
-// Rank 0 writes it; every rank reads it.
+// Rank 0 writes it, and the lowest rank of each other folder when the ranks do not all
+// share the save folder (commit_folders.h); every rank reads it.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +51,8 @@ enum class GradCompression;
 class DistributedDataParallel;
 
 namespace train {
+
+struct FolderGroups;
 
 /// The scalar part of a state file ("meta").
 struct StateMeta {
@@ -105,13 +110,19 @@ struct StateParts {
   /// file's rank), so that PowerSGD's memories carry on. Null: the choice is the user's,
   /// and a file made with another one says so in the log.
   const PowerSgdOptions* adoptCompression = nullptr;
+  /// The launcher's job id (TORCHELASTIC_RUN_ID; empty: none), kept in the file.
+  std::string runId;
+  /// Which ranks share the save folder (commit_folders.h), found at the first save to a
+  /// folder and kept here for the next (null: found at each save).
+  FolderGroups* folders = nullptr;
 };
 
 /// The DDP compression `spec` names (its rank aside).
 GradCompression gradCompressionOf(const CompressionSpec& spec);
 
-/// Writes the state file of `meta.step` in `directory` (rank 0; collective), keeping
-/// the newest `keepLast` there. Returns the path.
+/// Writes the state file of `meta.step` in `directory` (rank 0, and one rank of each
+/// other folder where the ranks' folders differ; collective), keeping the newest
+/// `keepLast` there. Returns the path.
 std::string saveState(const StateParts& parts, const StateMeta& meta,
                       const DistributedSampler::State& sampler, const std::string& directory,
                       int keepLast);
@@ -124,7 +135,17 @@ struct LoadedState {
   std::string compression;
 };
 
-/// Loads `fileOrDirectory` (a directory: its newest valid state file, chosen by rank 0)
+/// How a directory is resumed from.
+struct LoadOptions {
+  /// Only files whose run_id is this (empty: any file).
+  std::string onlyRunId;
+  /// The directory is the save folder: a folder without the newest commit keeps the copy
+  /// it receives.
+  bool keep = false;
+};
+
+/// Loads `fileOrDirectory` (a directory: the newest valid state file of the ranks'
+/// folders, which need not be shared: commit_folders.h)
 /// into the parts (collective). A directory that is missing or holds no state file
 /// loads nothing and returns an empty path; one whose state files are all invalid is
 /// a StateError, as is a missing file (a path ending in .hddp). A file saved by another
@@ -132,7 +153,7 @@ struct LoadedState {
 /// slot, else rank), newcomers start from the others' estimates. hddp::StateError when
 /// the file was saved with another global batch, or does not fit the model or optimizer.
 LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
-                      int64_t globalBatch);
+                      int64_t globalBatch, const LoadOptions& options = {});
 
 }  // namespace train
 }  // namespace hddp

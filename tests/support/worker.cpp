@@ -6,9 +6,14 @@
 //   worker fail-once RANK CODE  like fail, but only when TORCHELASTIC_RESTART_COUNT is 0
 //   worker listening            after an allreduce, prints each TCP socket this process
 //                               listens on: "listen ADDR loopback" or "listen ADDR EXPOSED"
-//   worker elastic-train DIR    trains a small MLP with the Trainer (planner on, 150
-//                               steps of 24 samples, 40 ms of sleep in each forward);
-//                               rank 0 writes the parameters to DIR/final.pt
+//   worker elastic-train DIR [SAVE [EPOCHS [MS]]]
+//                               trains a small MLP with the Trainer (planner on, 30 steps
+//                               of 24 samples per epoch, 5 epochs, MS = 40 ms of sleep in
+//                               each forward; SAVE: the save folder, "-" none); rank 0
+//                               writes the parameters to DIR/final.pt
+//   worker same-params A B      exits 0 when the parameter files A and B (elastic-train's
+//                               final.pt) agree to rtol 1e-4, atol 1e-5; prints the
+//                               largest difference
 //   worker cascade DIR          rank 1 writes its pid to DIR/pid, leaves a child that
 //                               holds its output open and kills itself (SIGKILL); rank 0 exits with
 //                               code 1 as soon as rank 1 has ended (as a peer that loses its
@@ -82,6 +87,21 @@ void printListening() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "allreduce";
+  if (mode == "same-params" && argc > 3) {
+    std::vector<at::Tensor> a, b;
+    torch::load(a, argv[2]);
+    torch::load(b, argv[3]);
+    bool same = a.size() == b.size();
+    double largest = 0;
+    for (size_t i = 0; same && i < a.size(); ++i) {
+      same = a[i].sizes() == b[i].sizes() && at::allclose(a[i], b[i], 1e-4, 1e-5);
+      if (a[i].sizes() == b[i].sizes()) {
+        largest = std::max(largest, (a[i] - b[i]).abs().max().item<double>());
+      }
+    }
+    std::printf("%zu and %zu tensors, largest difference %g\n", a.size(), b.size(), largest);
+    return same ? 0 : 1;
+  }
   try {
     auto ctx = hddp::initFromEnv();
     const int restart = ctx.info.restartCount;
@@ -104,13 +124,17 @@ int main(int argc, char** argv) {
       torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
       hddp::TrainerOptions o;
       o.globalBatch = 24;
-      o.epochs = 5;  // 720 samples: 30 steps per epoch
+      o.epochs = argc > 4 ? std::atoi(argv[4]) : 5;  // 720 samples: 30 steps per epoch
+      if (argc > 3 && std::string(argv[3]) != "-") {
+        o.saveDir = argv[3];
+      }
+      const int sleepMs = argc > 5 ? std::atoi(argv[5]) : 40;
       o.balance = true;
       o.progress = hddp::ProgressMode::Off;
       o.loader.workers = 0;
       auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(720, 1, 4, 4, /*seed=*/1);
-      auto forward = [net](const torch::Tensor& x) mutable {
-        std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      auto forward = [net, sleepMs](const torch::Tensor& x) mutable {
+        std::this_thread::sleep_for(std::chrono::milliseconds(sleepMs));
         return net->forward(x);
       };
       hddp::Trainer trainer(*ctx.communicator, net.ptr(), forward, hddp::crossEntropy(), opt, ds,

@@ -1,0 +1,259 @@
+// Commit folders that not every rank shares (commit_folders.h).
+#include "train/commit_folders.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+#include "hddp/train/state_file.h"
+
+namespace hddp {
+namespace train {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
+std::string stringOf(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+std::string tokenName(const std::string& nonce, int rank) {
+  return ".hddp-folder-" + nonce + "-" + std::to_string(rank);
+}
+
+// Sends `payload` from `root` to every rank (collective): its length first, then the
+// bytes, on the communicator's device (NCCL's is the rank's GPU).
+std::string broadcastBytes(Communicator& comm, int root, const std::string& payload) {
+  const c10::Device dev = comm.device();
+  at::Tensor length =
+      at::full({1}, static_cast<int64_t>(payload.size()), at::TensorOptions().dtype(at::kLong))
+          .to(dev);
+  comm.broadcast(length, root).wait();
+  comm.synchronize();
+  const int64_t n = length.cpu().item<int64_t>();
+  at::Tensor bytes = at::empty({n}, at::TensorOptions().dtype(at::kByte));
+  if (comm.rank() == root) {
+    std::memcpy(bytes.data_ptr<uint8_t>(), payload.data(), payload.size());
+  }
+  bytes = bytes.to(dev);
+  comm.broadcast(bytes, root).wait();
+  comm.synchronize();
+  if (comm.rank() == root) {
+    return payload;
+  }
+  const at::Tensor host = bytes.cpu();
+  return std::string(reinterpret_cast<const char*>(host.data_ptr<uint8_t>()),
+                     static_cast<size_t>(n));
+}
+
+}  // namespace
+
+int FolderGroups::count() const {
+  return static_cast<int>(std::set<int>(writer.begin(), writer.end()).size());
+}
+
+FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool create) {
+  FolderGroups groups;
+  groups.dir = dir;
+  // Rank 0's nonce names this exchange's tokens, so that tokens another job (or an
+  // interrupted one) left behind are not taken for this job's ranks.
+  std::string nonce;
+  if (comm.rank() == 0) {
+    std::random_device device;
+    char text[40];
+    std::snprintf(text, sizeof(text), "%08x%08x-%d", device(), device(),
+                  static_cast<int>(getpid()));
+    nonce = text;
+  }
+  nonce = stringOf(comm.allgatherBytes(bytesOf(nonce))[0]);
+  std::string problem;
+  const fs::path mine = fs::path(dir) / tokenName(nonce, comm.rank());
+  std::error_code missing;
+  bool alone = !create && !fs::is_directory(dir, missing);
+  if (!alone) try {
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      HDDP_CHECK_AS(StateError, !ec, "cannot create the save folder ", dir, ": ", ec.message());
+      std::ofstream token(mine);
+      // A folder only read from (--resume of a read-only folder) may refuse the token: its
+      // rank then scans it on its own, as does every other rank that cannot write there.
+      alone = !create && !token.good();
+      HDDP_CHECK_AS(StateError, alone || token.good(), "cannot write in the save folder ", dir,
+                    " (read-only? full?)");
+    } catch (const c10::Error& e) {
+      problem = e.what_without_backtrace();
+    }
+  // Every rank's token is written before any rank looks.
+  const auto written = comm.allgatherBytes(bytesOf(problem));
+  int lowest = comm.rank();
+  if (problem.empty() && !alone) {
+    for (int r = 0; r < comm.size(); ++r) {
+      std::error_code ec;
+      if (written[static_cast<size_t>(r)].empty() &&
+          fs::exists(fs::path(dir) / tokenName(nonce, r), ec)) {
+        lowest = r;
+        break;
+      }
+    }
+  }
+  const std::string me = std::to_string(lowest);
+  const auto all = comm.allgatherBytes(bytesOf(me));
+  std::error_code ec;
+  if (!alone) {
+    fs::remove(mine, ec);
+  }
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::string said = stringOf(written[static_cast<size_t>(r)]);
+    HDDP_CHECK_AS(StateError, said.empty(), "rank ", r, ": ", said);
+    groups.writer.push_back(std::stoi(stringOf(all[static_cast<size_t>(r)])));
+  }
+  if (groups.count() > 1) {
+    std::string writers;
+    for (int r = 0; r < comm.size(); ++r) {
+      if (groups.writes(r)) {
+        writers += (writers.empty() ? "" : ",") + std::to_string(r);
+      }
+    }
+    HDDP_LOG_SHARED("train", comm.rank(),
+                    "the save folder is not shared by every rank: ", groups.count(),
+                    " folders, whose copies of each commit ranks ", writers,
+                    " write; a resume sends the newest commit to the folders without it");
+  }
+  return groups;
+}
+
+ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
+                          const std::function<bool(const std::string&)>& accept, bool keep) {
+  HDDP_CHECK(static_cast<int>(groups.writer.size()) == comm.size(),
+             "chooseCommit: the folder groups are not this communicator's");
+  const int rank = comm.rank();
+  // Each writer scans its folder: "<step> <path>", "!<problem>" or "" (none).
+  std::string found;
+  std::string scanned;  // the payload of the newest valid file of this writer
+  if (groups.writes(rank)) {
+    try {
+      const auto files = listStateFiles(groups.dir);
+      size_t refused = 0;
+      for (auto it = files.rbegin(); it != files.rend() && found.empty(); ++it) {
+        try {
+          std::string payload = readStateFile(*it);
+          if (accept && !accept(payload)) {
+            ++refused;
+            continue;
+          }
+          int64_t step = -1;
+          const std::string name = fs::path(*it).filename().string();
+          step = std::stoll(name.substr(6, name.size() - 6 - 5));  // state-NNNNNNNN.hddp
+          found = std::to_string(step) + " " + *it;
+          scanned = std::move(payload);
+        } catch (const StateError& e) {
+          HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
+        }
+      }
+      if (found.empty() && files.size() > refused) {
+        found = "!none of the " + std::to_string(files.size() - refused) +
+                " state files (state-NNNNNNNN.hddp) in " + groups.dir +
+                " is valid (see the warnings above); move them away to start fresh";
+      }
+    } catch (const c10::Error& e) {
+      found = "!" + std::string(e.what_without_backtrace());
+    }
+  }
+  const auto all = comm.allgatherBytes(bytesOf(found));
+  ChosenCommit chosen;
+  int source = -1;
+  std::string problem;
+  std::vector<int64_t> steps(static_cast<size_t>(comm.size()), -1);
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::string said = stringOf(all[static_cast<size_t>(r)]);
+    if (said.empty()) {
+      continue;
+    }
+    if (said[0] == '!') {
+      problem = problem.empty() ? "rank " + std::to_string(r) + ": " + said.substr(1) : problem;
+      continue;
+    }
+    steps[static_cast<size_t>(r)] = std::stoll(said.substr(0, said.find(' ')));
+    if (steps[static_cast<size_t>(r)] > chosen.step) {
+      chosen.step = steps[static_cast<size_t>(r)];
+      source = r;
+    }
+  }
+  if (source < 0) {
+    HDDP_CHECK_AS(StateError, problem.empty(), "cannot resume: ", problem);
+    return chosen;  // no commit anywhere: start fresh
+  }
+  // Folders without the chosen step receive it from the source.
+  const int myWriter = groups.writer[static_cast<size_t>(rank)];
+  std::vector<bool> lacks(static_cast<size_t>(comm.size()), false);
+  for (int r = 0; r < comm.size(); ++r) {
+    const int w = groups.writer[static_cast<size_t>(r)];
+    lacks[static_cast<size_t>(r)] = steps[static_cast<size_t>(w)] != chosen.step;
+    chosen.receivers += lacks[static_cast<size_t>(r)] ? 1 : 0;
+  }
+  chosen.path = stateFileName(groups.dir, chosen.step);
+  if (chosen.receivers == 0) {
+    return chosen;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  // The payload and its CRC, as the source's file holds them.
+  std::string sent;
+  if (rank == source) {
+    const uint32_t crc = crc32Of(scanned.data(), scanned.size());
+    sent.assign(reinterpret_cast<const char*>(&crc), sizeof(crc));
+    sent += scanned;
+  }
+  std::string got = broadcastBytes(comm, source, sent);
+  chosen.bytes = static_cast<int64_t>(got.size());
+  chosen.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::string problemHere;
+  if (lacks[static_cast<size_t>(rank)]) {
+    try {
+      HDDP_CHECK_AS(StateError, got.size() >= sizeof(uint32_t), "the commit sent by rank ", source,
+                    " is truncated");
+      uint32_t crc = 0;
+      std::memcpy(&crc, got.data(), sizeof(crc));
+      chosen.payload = got.substr(sizeof(crc));
+      const uint32_t actual = crc32Of(chosen.payload.data(), chosen.payload.size());
+      HDDP_CHECK_AS(StateError, actual == crc, "the commit of step ", chosen.step, " sent by rank ",
+                    source, " arrived corrupt: checksum mismatch (sent ", crc, ", computed ",
+                    actual, ")");
+      if (keep && myWriter == rank) {
+        writeStateFile(chosen.path, chosen.payload);
+      }
+    } catch (const c10::Error& e) {
+      problemHere = e.what_without_backtrace();
+    }
+  }
+  // Every rank learns whether the transfer worked, so none trains on alone.
+  const auto outcome = comm.allgatherBytes(bytesOf(problemHere));
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::string said = stringOf(outcome[static_cast<size_t>(r)]);
+    HDDP_CHECK_AS(StateError, said.empty(), "cannot resume: rank ", r, ": ", said);
+  }
+  std::set<int> lacking;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (lacks[static_cast<size_t>(r)]) {
+      lacking.insert(groups.writer[static_cast<size_t>(r)]);
+    }
+  }
+  HDDP_LOG_SHARED("train", rank, "the newest commit, step ", chosen.step, ", was in ",
+                  groups.count() - static_cast<int>(lacking.size()), " of ", groups.count(),
+                  " save folders; rank ", source, " sent it (",
+                  static_cast<double>(chosen.bytes) / 1e6, " MB) to the ", chosen.receivers,
+                  " rank(s) without it in ", chosen.seconds, " s",
+                  keep ? "; their folders keep a copy" : "");
+  return chosen;
+}
+
+}  // namespace train
+}  // namespace hddp

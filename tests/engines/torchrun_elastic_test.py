@@ -22,6 +22,7 @@ waited past the rendezvous timeouts; the final parameters equal an undisturbed r
 """
 import argparse
 import glob
+import json
 import os
 import re
 import signal
@@ -131,6 +132,7 @@ def main():
     ap.add_argument("--python", required=True)
     ap.add_argument("--hddp-run", required=True)
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--report", help="write the re-forming times here (JSON; bench/)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="hddp-torchrun-")
     t_start = time.monotonic()
@@ -152,6 +154,8 @@ def main():
 
 
 def run(args, work, t_start):
+    conf = ("is_host=false,join_timeout=120,last_call_timeout=2,close_timeout=10,"
+            "keep_alive_interval=1,keep_alive_max_attempt=3")
     port = free_port()
     job = f"hddp-test-{os.getpid()}"
     env = dict(os.environ)
@@ -175,8 +179,6 @@ def run(args, work, t_start):
                   os.path.join(work, "store.log"), env)
     wait_for("the rendezvous store", lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0,
              60, [store])
-    conf = ("is_host=false,join_timeout=120,last_call_timeout=2,close_timeout=10,"
-            "keep_alive_interval=1,keep_alive_max_attempt=3")
 
     def agent(node):
         save = os.path.join(work, node, "save")
@@ -188,6 +190,7 @@ def run(args, work, t_start):
                args.worker, "elastic-train", work, save, str(EPOCHS), str(SLEEP_MS)]
         return start(cmd, os.path.join(work, node + ".log"), env), save
 
+    t0 = time.time()
     a, save_a = agent("a")
     b, save_b = agent("b")
     # 1. World 2, both folders commit.
@@ -195,6 +198,7 @@ def run(args, work, t_start):
              [a, b])
     # 2. Node b is lost.
     t_loss = time.monotonic()
+    lost_wall = time.time()
     lost_at = max(commits(save_b))
     kill_tree(b)
     b.wait()
@@ -203,6 +207,7 @@ def run(args, work, t_start):
     wait_for("node a training alone past node b's commits",
              lambda: commits(save_a) and max(commits(save_a)) > max(commits(save_b)) + 10, 120, [a])
     t_back = time.monotonic()
+    back_wall = time.time()
     b2, _ = agent("b")
     print(f"node b back at {t_back - t_start:.1f} s")
     # 4. The job re-forms at world 2 and ends.
@@ -255,6 +260,31 @@ def run(args, work, t_start):
     same = subprocess.run([args.worker, "same-params", os.path.join(work, "final.pt"),
                            os.path.join(straight, "final.pt")], capture_output=True, text=True)
     assert same.returncode == 0, "the parameters differ from an undisturbed run's: " + same.stdout
+    # The times: from the agents' start, node b's loss and its return to the first step
+    # of the generation that follows (rank 0's job record, in its own save folder).
+    firsts = []
+    for folder in (save_a, save_b):
+        path = os.path.join(folder, "job.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                firsts += [json.loads(line)["t"] for line in f
+                           if '"first_step"' in line]
+    firsts.sort()
+
+    def first_after(t):
+        later = [f for f in firsts if f > t]
+        return later[0] - t if later else None
+
+    times = {"start_to_first_step_s": first_after(t0),
+             "loss_to_first_step_s": first_after(lost_wall),
+             "return_to_first_step_s": first_after(back_wall),
+             "steps_trained_again": repeated, "rdzv_conf": conf,
+             "monitor_interval_s": 0.5, "collective_timeout_s": int(env["HDDP_TIMEOUT_SEC"])}
+    assert all(times[k] is not None for k in times if k.endswith("_s")), times
+    print("times:", json.dumps(times))
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(times, f)
     print(f"loss of node b -> steps trained again: {repeated} (the log counts {counted}); "
           f"resumed at steps {resumed}; {time.monotonic() - t_start:.1f} s in all")
 

@@ -96,10 +96,15 @@ FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool creat
   const auto written = comm.allgatherBytes(bytesOf(problem));
   int lowest = comm.rank();
   if (problem.empty() && !alone) {
+    // A listing, not a lookup by name: opening the folder revalidates it on a network
+    // file system, where a lookup may answer from a cache that has not seen the file.
+    std::set<std::string> seen;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      seen.insert(entry.path().filename().string());
+    }
     for (int r = 0; r < comm.size(); ++r) {
-      std::error_code ec;
-      if (written[static_cast<size_t>(r)].empty() &&
-          fs::exists(fs::path(dir) / tokenName(nonce, r), ec)) {
+      if (written[static_cast<size_t>(r)].empty() && seen.count(tokenName(nonce, r))) {
         lowest = r;
         break;
       }

@@ -29,9 +29,14 @@ hddp::TrainSummary train(int rank, int size, hddp::Store& store, const std::stri
                          int64_t maxSteps, const hddp::LaunchInfo* launch,
                          std::vector<at::Tensor>* params = nullptr) {
   auto comm = hddp::makeCommunicator(store, rank, size);
+  // One initial model in every run: the ranks are threads of one process, whose global
+  // generator they would otherwise draw from in turns.
+  static std::mutex initialising;
+  std::unique_lock<std::mutex> lock(initialising);
   torch::manual_seed(3);
   torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Linear(4, 8), torch::nn::Tanh(),
                             torch::nn::Linear(8, 3));
+  lock.unlock();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   hddp::TrainerOptions o;
   o.globalBatch = 8;

@@ -49,7 +49,10 @@ step configure 300 cmake -S . -B "$BUILD" -G "$GEN" -DCMAKE_BUILD_TYPE=Release \
   -DHDDP_WITH_CUDA=ON -DHDDP_USE_CCACHE=OFF \
   && step build 420 cmake --build "$BUILD" -j "$JOBS"
 if [ -x "$BUILD/tests/hddp_tests" ]; then
-  step cuda-tests 180 "$BUILD/tests/hddp_tests" --gtest_filter='*_CUDA*' --gtest_brief=0
+  # Every *_CUDA test, by name. The Nccl.*Stuck*_CUDA pair (issue #36) each start a child
+  # process whose collective cannot complete: ~10 s each, at most 60 s when c10d fails to
+  # end it, hence 240 s here.
+  step cuda-tests 240 "$BUILD/tests/hddp_tests" --gtest_filter='*_CUDA*' --gtest_brief=0
   # The elastic rejoin check of a CUDA slot: exit 0 for a device that answers, 1 for none.
   step check-device 60 bash -c "'$BUILD/tools/hddp-probe/hddp-probe' --check-device cuda:0 &&
     '$BUILD/tools/hddp-probe/hddp-probe' --check-device slot:0 &&

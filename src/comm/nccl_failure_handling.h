@@ -23,7 +23,9 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hddp/core/error.h"
@@ -38,6 +40,8 @@ struct NcclFailureSettings {
   /// handling, 1 abort the communicators then end the process, 2 abort only, 3 end the
   /// process without aborting. Default 3.
   int asyncErrorHandling = 3;
+  /// The variable that set it (for messages): the TORCH_ name unless only the older is set.
+  std::string asyncErrorHandlingName = "TORCH_NCCL_ASYNC_ERROR_HANDLING";
   /// TORCH_NCCL_BLOCKING_WAIT (or NCCL_BLOCKING_WAIT). Default off.
   bool blockingWait = false;
   /// TORCH_NCCL_DESYNC_DEBUG (or NCCL_DESYNC_DEBUG). Default off.
@@ -122,8 +126,11 @@ inline std::optional<bool> readBool(const EnvironmentLookup& lookup,
 inline NcclFailureSettings readNcclFailureSettings(const EnvironmentLookup& lookup) {
   using namespace nccl_failure;
   NcclFailureSettings s;
-  if (auto v = readInt(lookup, {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"})) {
+  const std::vector<std::string> modeNames = {"TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                              "NCCL_ASYNC_ERROR_HANDLING"};
+  if (auto v = readInt(lookup, modeNames)) {
     s.asyncErrorHandling = *v;
+    s.asyncErrorHandlingName = firstSet(lookup, modeNames)->first;
   }
   if (auto v = readBool(lookup, {"TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"})) {
     s.blockingWait = *v;
@@ -141,7 +148,6 @@ inline NcclFailureSettings readNcclFailureSettings(const EnvironmentLookup& look
 /// complete (a peer lost, a peer that stopped calling collectives, NCCL's error).
 inline NcclFailureHandling ncclFailureHandling(const NcclFailureSettings& s,
                                                std::chrono::milliseconds timeout) {
-  using std::chrono::duration_cast;
   using std::chrono::milliseconds;
   const auto ms = [](milliseconds d) { return std::to_string(d.count()) + " ms"; };
   NcclFailureHandling h;
@@ -163,9 +169,9 @@ inline NcclFailureHandling ncclFailureHandling(const NcclFailureSettings& s,
   }
   const bool cleanUp = mode != 0 && mode != 3;   // c10d's SHOULD_CLEAN_UP
   const bool tearDown = mode != 0 && mode != 2;  // c10d's SHOULD_TEAR_DOWN
-  const std::string setting =
-      "TORCH_NCCL_ASYNC_ERROR_HANDLING=" + std::to_string(s.asyncErrorHandling) +
-      (promoted ? " (3 under TORCH_NCCL_DESYNC_DEBUG)" : "");
+  const std::string setting = s.asyncErrorHandlingName + "=" +
+                              std::to_string(s.asyncErrorHandling) +
+                              (promoted ? " (3 under TORCH_NCCL_DESYNC_DEBUG)" : "");
   if (!tearDown) {
     h.end = NcclFailureEnd::Nothing;
     h.description =

@@ -172,10 +172,13 @@ DistributedContext initFromEnv(const InitOptions& options) {
                                   : defaultTimeout(guessNccl ? Backend::Nccl : Backend::Gloo);
 
   // Keys of this generation: a launcher's restart count, which every rank shares; under
-  // torchrun its agents count their own failures (a node that joins counts none), so
-  // there it is the store of the generation that tells them apart (below).
-  std::string round = info.launcher == Launcher::Torchrun ? std::string("torchrun")
-                                                          : std::to_string(info.restartCount);
+  // torchrun's agent (which sets TORCHELASTIC_USE_AGENT_STORE, "True" or "False") each
+  // agent counts its own failures (a node that joins counts none), so there it is the
+  // store of the generation that tells them apart: rank 0's own, or a round agreed on the
+  // agent's (below).
+  const EnvMap environment = processEnvironment();
+  const bool torchrunAgent = environment.count("TORCHELASTIC_USE_AGENT_STORE") > 0;
+  std::string round = torchrunAgent ? std::string("torchrun") : std::to_string(info.restartCount);
   auto makeStore = [&]() -> Store {
     if (info.worldSize == 1 && !info.useAgentStore) {
       return Store::memory(storeTimeout);

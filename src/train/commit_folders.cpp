@@ -141,13 +141,18 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   HDDP_CHECK(static_cast<int>(groups.writer.size()) == comm.size(),
              "chooseCommit: the folder groups are not this communicator's");
   const int rank = comm.rank();
-  // Each writer scans its folder: "<step> <path>", "!<problem>" or "" (none).
+  // Each writer scans its folder and says "<passed over> <step>", "<passed over> !<problem>"
+  // or "<passed over>" (none); <passed over>: valid files `accept` refused.
   std::string found;
   std::string scanned;  // the payload of the newest valid file of this writer
+  size_t refused = 0;
   if (groups.writes(rank)) {
     try {
+      std::error_code ec;
+      fs::directory_iterator listing(groups.dir, ec);
+      HDDP_CHECK_AS(StateError, !ec || ec == std::errc::no_such_file_or_directory,
+                    "cannot list the save folder ", groups.dir, ": ", ec.message());
       const auto files = listStateFiles(groups.dir);
-      size_t refused = 0;
       for (auto it = files.rbegin(); it != files.rend() && found.empty(); ++it) {
         try {
           std::string payload = readStateFile(*it);
@@ -155,13 +160,13 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
             ++refused;
             continue;
           }
-          int64_t step = -1;
           const std::string name = fs::path(*it).filename().string();
-          step = std::stoll(name.substr(6, name.size() - 6 - 5));  // state-NNNNNNNN.hddp
-          found = std::to_string(step) + " " + *it;
+          found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5)));  // state-N.hddp
           scanned = std::move(payload);
-        } catch (const StateError& e) {
-          HDDP_LOG_WARN("train", "skipping ", *it, ": ", e.what_without_backtrace());
+        } catch (const std::exception& e) {  // a damaged file, or one `accept` cannot read
+          const auto* error = dynamic_cast<const c10::Error*>(&e);
+          HDDP_LOG_WARN("train", "skipping ", *it, ": ",
+                        error ? error->what_without_backtrace() : e.what());
         }
       }
       if (found.empty() && files.size() > refused) {
@@ -171,15 +176,23 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
       }
     } catch (const c10::Error& e) {
       found = "!" + std::string(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      found = "!" + std::string(e.what());
+    } catch (...) {
+      found = "!an unknown error while reading " + groups.dir;
     }
   }
-  const auto all = comm.allgatherBytes(bytesOf(found));
+  const auto all = comm.allgatherBytes(bytesOf(std::to_string(refused) + " " + found));
   ChosenCommit chosen;
   int source = -1;
   std::string problem;
+  size_t passedOver = 0;
   std::vector<int64_t> steps(static_cast<size_t>(comm.size()), -1);
   for (int r = 0; r < comm.size(); ++r) {
-    const std::string said = stringOf(all[static_cast<size_t>(r)]);
+    const std::string line = stringOf(all[static_cast<size_t>(r)]);
+    const size_t space = line.find(' ');
+    passedOver += static_cast<size_t>(std::stoll(line.substr(0, space)));
+    const std::string said = line.substr(space + 1);
     if (said.empty()) {
       continue;
     }
@@ -187,11 +200,21 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
       problem = problem.empty() ? "rank " + std::to_string(r) + ": " + said.substr(1) : problem;
       continue;
     }
-    steps[static_cast<size_t>(r)] = std::stoll(said.substr(0, said.find(' ')));
+    steps[static_cast<size_t>(r)] = std::stoll(said);
     if (steps[static_cast<size_t>(r)] > chosen.step) {
       chosen.step = steps[static_cast<size_t>(r)];
       source = r;
     }
+  }
+  if (passedOver > 0) {
+    HDDP_LOG_WARN("train", "passed over ", passedOver,
+                  " state file(s) of another job in the save folder(s); keeping the newest "
+                  "files by step may delete this job's commits among them: give each job its "
+                  "own save folder");
+  }
+  if (source >= 0 && !problem.empty()) {
+    HDDP_LOG_WARN("train", "a save folder could not be read (", problem,
+                  "); resuming from another folder's newest commit");
   }
   if (source < 0) {
     HDDP_CHECK_AS(StateError, problem.empty(), "cannot resume: ", problem);

@@ -133,12 +133,35 @@ std::string launcherVariable(const char* name) {
 }
 }  // namespace
 
+void ProgressMark::resetAll(const std::string& dir, int64_t step) {
+  const int64_t job = protocol::progressMarkJob();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (!protocol::progressMarkSlot(entry.path().filename().string())) {
+      continue;
+    }
+    const auto mark = protocol::readProgressMark(entry.path().string());
+    if (!mark || mark->job != job) {
+      continue;
+    }
+    const int fd = ::open(entry.path().c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      protocol::writeProgressMark(fd, {job, step});
+      ::close(fd);
+    }
+  }
+}
+
 ElasticRun::ElasticRun(const LaunchInfo& launch)
     : launch_(launch),
       runId_(launcherVariable(protocol::kEnvRunId)),
       // torchrun sets it ("True"/"False") in every rank's environment; hddp-run does not.
       underAgent_(!launch.elastic && !launcherVariable("TORCHELASTIC_USE_AGENT_STORE").empty()),
-      recordDir_(launch.elasticDir) {}
+      recordDir_(launch.elasticDir) {
+  if (underAgent_ && runId_ == "none") {
+    runId_.clear();  // torchrun's default --rdzv-id: every job without one has it
+  }
+}
 
 void ElasticRun::commitForAgent(const std::string& saveDir) {
   if (underAgent_ && !saveDir.empty()) {
@@ -170,7 +193,7 @@ void ElasticRun::startCommits(int64_t step) {
 void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached, bool resumed,
                          const std::string& saveDir, int64_t agreedStart) {
   // Under torchrun's agent the restart count stays through a membership change: the
-  // generation's start (unix seconds, agreed by the ranks) tells generations apart.
+  // generation's start (unix milliseconds, agreed by the ranks) tells generations apart.
   sampleLog_.open(rank, underAgent_ && agreedStart > 0 ? agreedStart : restarts());
   if (!enabled()) {
     return;
@@ -190,6 +213,9 @@ void ElasticRun::started(int rank, int worldSize, int64_t step, int64_t reached,
   } else if (restarted) {
     HDDP_LOG_SHARED("train", rank, "elastic: resumed at step ", step, "; no step is trained again");
   }
+  // The steps counted now are not counted again at the next resume (every rank of each
+  // folder writes the same; the Trainer's barrier follows before any rank marks a step).
+  ProgressMark::resetAll(saveDir, step);
   // Under torchrun a rank has no slot: its rank names its mark (the newest of all counts).
   progressMark_.open(saveDir, slot() >= 0 ? slot() : rank);
 }

@@ -42,7 +42,7 @@ int64_t commitInterval(double commitSeconds, double stepSeconds, double share = 
 /// Debugging and tests: HDDP_LOG_SAMPLES=<path> appends one line per step and rank,
 /// "<generation> <step> <rank> <index> <index> ...", to <path>.rank<r> of the rank. The
 /// generation is the restart count, or under torchrun's agent (whose count a membership
-/// change leaves) the generation's start in unix seconds: later generations are larger.
+/// change leaves) the generation's start in unix milliseconds: later generations are larger.
 class SampleLog {
  public:
   SampleLog() = default;
@@ -72,6 +72,10 @@ class ProgressMark {
   void write(int64_t step);
   /// The newest step any slot marked in `dir`; -1 when none did.
   static int64_t newest(const std::string& dir);
+  /// Sets every mark of this job in `dir` to `step` (a generation's resume step, once the
+  /// ranks read the marks): a mark of a generation that got further than the next one
+  /// would otherwise count its steps again at the resume after.
+  static void resetAll(const std::string& dir, int64_t step);
 
  private:
   static std::string path(const std::string& dir, int slot);
@@ -121,7 +125,7 @@ class ElasticRun {
   /// After the resume (`resumed`: from a commit), at `step`: rank 0 records the start (or
   /// resumption), the ranks say which steps are trained again (`reached`: the newest
   /// progress mark, agreed over the ranks' folders), and the progress mark opens.
-  /// `agreedStart`: the generation's start in unix seconds, the same on every rank (the
+  /// `agreedStart`: the generation's start in unix milliseconds, the same on every rank (the
   /// sample log's generation under torchrun's agent; 0: not known).
   void started(int rank, int worldSize, int64_t step, int64_t reached, bool resumed,
                const std::string& saveDir, int64_t agreedStart = 0);

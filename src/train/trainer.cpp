@@ -171,6 +171,12 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     // failed): with a save folder they commit and resume as in hddp-run's elastic job.
     if (!options_.saveDir.empty()) {
       elastic_.commitForAgent(options_.saveDir);
+      if (elastic_.runId().empty() && comm.rank() == 0) {
+        HDDP_LOG_WARN("train", "torchrun runs this job without a job id (--rdzv-id): a "
+                      "generation it starts after a node joins cannot tell this job's commits "
+                      "in ", options_.saveDir, " from another job's, so it resumes them only "
+                      "with --resume. Give --rdzv-id");
+      }
     } else if (comm.rank() == 0) {
       HDDP_LOG_WARN("train", "torchrun's agent runs this job (id '", elastic_.runId(),
                     "') but no save folder is given: a generation it starts after a node "
@@ -285,11 +291,13 @@ TrainSummary Trainer::Impl::fit() {
   int64_t agreedStart = 0;
   if (elastic_.enabled() || elastic_.underAgent()) {
     // Each folder holds the marks of its own ranks: the newest of all of them; and one
-    // start time for the generation (the sample log's, under torchrun's agent).
+    // start time for the generation (unix milliseconds: the sample log's generation under
+    // torchrun's agent).
     const double now =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     at::Tensor t =
-        at::tensor({static_cast<double>(reached), std::floor(now)}, at::kDouble).to(comm_.device());
+        at::tensor({static_cast<double>(reached), std::floor(now * 1e3)}, at::kDouble)
+            .to(comm_.device());
     comm_.allreduce(t, {ReduceOp::Max}).wait();
     comm_.synchronize();  // the host reads it next (Communicator::synchronize)
     t = t.cpu();
@@ -373,7 +381,9 @@ void Trainer::Impl::resumeForFit() {
     run_.restarted = true;
     train::LoadOptions newest;
     newest.keep = true;  // a folder without the commit keeps the copy it receives
-    newest.onlyRunId = restarts > 0 ? std::string() : elastic_.runId();
+    // Under the agent only this job's commits, whatever the count: a folder may hold
+    // another job's (torchrun's ids tell them apart; hddp-run's restarts are its own).
+    newest.onlyRunId = agentJob ? elastic_.runId() : std::string();
     resumed = load(options_.saveDir, newest);
     if (resumed) {
       HDDP_LOG_SHARED("train", comm_.rank(),
@@ -386,10 +396,15 @@ void Trainer::Impl::resumeForFit() {
                           : " (not from " + resume + ", which only starts a run)");
     }
   }
-  if (!resumed && !resume.empty() && !(run_.restarted && resume == options_.saveDir)) {
+  // --resume starts a run that found nothing of its own; the save folder given to it
+  // counts whatever job wrote it (the user named it), unless it was just searched so.
+  const bool searchedWhole = run_.restarted && !agentJob;
+  if (!resumed && !resume.empty() && !(searchedWhole && resume == options_.saveDir)) {
     budget_.carry = false;
     run_.restarted = restarts > 0;
-    load(resume);
+    train::LoadOptions given;
+    given.keep = resume == options_.saveDir;
+    resumed = load(resume, given);
   }
   budget_.carry = false;
   run_.restarted = false;

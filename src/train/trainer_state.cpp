@@ -323,61 +323,73 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
   if (groups->empty() || groups->dir != directory) {
     *groups = folderGroups(parts.comm, directory);
   }
-  if (!groups->writes(parts.comm.rank())) {
-    return path;
-  }
-  OutputArchive archive;
-  archive.write("meta", encode(meta));
-  const StateMeta::Progress& g = meta.progress;
-  archive.write("progress",
-                at::tensor(std::vector<double>{g.epochLossSum, static_cast<double>(g.epochSamples),
-                                               static_cast<double>(g.epochSteps), g.budgetSeconds,
-                                               g.budgetEvaluationSeconds,
-                                               static_cast<double>(g.budgetStartStep),
-                                               static_cast<double>(g.budgetSteps)},
-                           at::kDouble));
-  // Flat, by name: loading copies into the parameters (Module::load would replace
-  // them, which detaches DDP's gradient hooks).
-  for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
-    archive.write("model." + item.key(), item.value().detach().cpu());
-  }
-  for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
-    archive.write("buffer." + item.key(), item.value().detach().cpu());
-  }
-  OutputArchive optimizerArchive;
-  parts.optimizer.save(optimizerArchive);
-  archive.write("optimizer", optimizerArchive);
-  OutputArchive scalerArchive;
-  parts.scaler.save(scalerArchive);
-  archive.write("scaler", scalerArchive);
-  sampler.save(archive);
-  if (parts.planner) {
-    OutputArchive shared;
-    OutputArchive own;  // each rank's own part travels in its blob
-    parts.planner->save(shared, own);
-    archive.write("planner", shared);
-  }
-  if (!parts.compression.empty()) {
-    archive.write("compression", bytesTensor(std::vector<uint8_t>(parts.compression.begin(),
-                                                                  parts.compression.end())));
-  }
-  if (parts.ddp) {
-    std::string order;
-    for (const auto& name : detail::DdpAccess::bucketOrder(*parts.ddp)) {
-      order += name + "\n";
+  // Each writer's outcome reaches every rank: a full disk on one node fails the save on
+  // all of them, not the next collective on the others.
+  std::string problem;
+  if (groups->writes(parts.comm.rank())) try {
+      OutputArchive archive;
+      archive.write("meta", encode(meta));
+      const StateMeta::Progress& g = meta.progress;
+      archive.write("progress",
+                    at::tensor(std::vector<double>{g.epochLossSum, static_cast<double>(g.epochSamples),
+                                                   static_cast<double>(g.epochSteps), g.budgetSeconds,
+                                                   g.budgetEvaluationSeconds,
+                                                   static_cast<double>(g.budgetStartStep),
+                                                   static_cast<double>(g.budgetSteps)},
+                               at::kDouble));
+      // Flat, by name: loading copies into the parameters (Module::load would replace
+      // them, which detaches DDP's gradient hooks).
+      for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
+        archive.write("model." + item.key(), item.value().detach().cpu());
+      }
+      for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
+        archive.write("buffer." + item.key(), item.value().detach().cpu());
+      }
+      OutputArchive optimizerArchive;
+      parts.optimizer.save(optimizerArchive);
+      archive.write("optimizer", optimizerArchive);
+      OutputArchive scalerArchive;
+      parts.scaler.save(scalerArchive);
+      archive.write("scaler", scalerArchive);
+      sampler.save(archive);
+      if (parts.planner) {
+        OutputArchive shared;
+        OutputArchive own;  // each rank's own part travels in its blob
+        parts.planner->save(shared, own);
+        archive.write("planner", shared);
+      }
+      if (!parts.compression.empty()) {
+        archive.write("compression", bytesTensor(std::vector<uint8_t>(parts.compression.begin(),
+                                                                      parts.compression.end())));
+      }
+      if (parts.ddp) {
+        std::string order;
+        for (const auto& name : detail::DdpAccess::bucketOrder(*parts.ddp)) {
+          order += name + "\n";
+        }
+        archive.write("ddp_order", bytesTensor(std::vector<uint8_t>(order.begin(), order.end())));
+      }
+      if (!parts.runId.empty()) {
+        archive.write("run_id",
+                      bytesTensor(std::vector<uint8_t>(parts.runId.begin(), parts.runId.end())));
+      }
+      for (size_t r = 0; r < blobs.size(); ++r) {
+        archive.write("rank" + std::to_string(r), bytesTensor(blobs[r]));
+      }
+      writeStateFile(path, archiveBytes(archive));
+      pruneStateFiles(directory, keepLast);
+      HDDP_LOG_INFO("train", "saved step ", meta.step, " to ", path);
+    } catch (const c10::Error& e) {
+      problem = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      problem = e.what();
     }
-    archive.write("ddp_order", bytesTensor(std::vector<uint8_t>(order.begin(), order.end())));
+  const auto outcomes =
+      parts.comm.allgatherBytes(std::vector<uint8_t>(problem.begin(), problem.end()));
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    HDDP_CHECK_AS(StateError, outcomes[r].empty(), "saving step ", meta.step, " failed on rank ",
+                  r, ": ", std::string(outcomes[r].begin(), outcomes[r].end()));
   }
-  if (!parts.runId.empty()) {
-    archive.write("run_id",
-                  bytesTensor(std::vector<uint8_t>(parts.runId.begin(), parts.runId.end())));
-  }
-  for (size_t r = 0; r < blobs.size(); ++r) {
-    archive.write("rank" + std::to_string(r), bytesTensor(blobs[r]));
-  }
-  writeStateFile(path, archiveBytes(archive));
-  pruneStateFiles(directory, keepLast);
-  HDDP_LOG_INFO("train", "saved step ", meta.step, " to ", path);
   return path;
 }
 

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Two torchrun agents as two "nodes" on loopback: one leaves, the job goes on, it comes back.
+"""Two torchrun agents as two "nodes" on loopback: one joins, leaves, and comes back.
 
 The job: tests/support/worker.cpp's `elastic-train` (a small MLP under hddp::Trainer),
 one rank per agent, c10d rendezvous with --nnodes 1:2, each node with its own save
 folder. The rendezvous store is a separate process (both agents `is_host=false`), as a
 cluster's rendezvous endpoint outlives any one node.
 
-1. Both agents start; the job trains at world 2 and commits into both folders.
+0. Agent a starts alone and commits; agent b joins (a membership change: both restart
+   counts are 0, so the generation finds the job's commits by the job's id).
+1. The job trains at world 2 and commits into both folders.
 2. Node b (its agent and its rank) is killed with SIGKILL.
 3. Agent a's rank fails on the lost peer; the agent restarts it (a failure) at world 1;
    it resumes from the newest commit and trains on.
@@ -105,7 +107,7 @@ def wait_for(what, condition, timeout, procs=()):
 
 def steps_of(prefix):
     """Each step's samples (all ranks, sorted), from the last generation that trained it;
-    and the number of steps trained by more than one generation."""
+    and the trainings beyond the first (a step trained by 3 generations counts 2)."""
     lines = {}  # step -> {generation: [indices]}
     for path in glob.glob(prefix + ".rank*"):
         with open(path) as f:
@@ -116,7 +118,7 @@ def steps_of(prefix):
                 generation, step = fields[0], fields[1]
                 lines.setdefault(step, {}).setdefault(generation, []).extend(fields[3:])
     out = {s: sorted(g[max(g)]) for s, g in lines.items()}
-    repeated = sum(1 for g in lines.values() if len(g) > 1)
+    repeated = sum(len(g) - 1 for g in lines.values())
     return out, repeated
 
 
@@ -192,10 +194,15 @@ def run(args, work, t_start):
 
     t0 = time.time()
     a, save_a = agent("a")
+    # 0. Node a alone, then node b joins (a membership change: both restart counts 0).
+    wait_for("node a's first commits", lambda: commits(save_a) and max(commits(save_a)) >= 6,
+             120, [a])
+    joined_after = max(commits(save_a))
     b, save_b = agent("b")
-    # 1. World 2, both folders commit.
-    wait_for("a commit in node b's folder", lambda: any(s >= 10 for s in commits(save_b)), 120,
-             [a, b])
+    # 1. World 2, both folders commit (node b's first file is the commit it received).
+    wait_for("a commit of the world-2 job in node b's folder",
+             lambda: len(commits(save_b)) >= 2 and max(commits(save_b)) >= joined_after + 5,
+             120, [a, b])
     # 2. Node b is lost.
     t_loss = time.monotonic()
     lost_wall = time.time()
@@ -230,9 +237,15 @@ def run(args, work, t_start):
                      both), "node b never received the newest commit\n" + both[-6000:]
     # Each resume took the newest commit that existed then: the steps resumed from are
     # commits of node a's folder (it kept training), increasing.
-    resumed = [int(s) for s in re.findall(r"resumed from \S+state-(\d+)\.hddp at step", both)]
-    assert len(resumed) >= 2, f"expected two resumptions, saw {resumed}\n" + both[-6000:]
+    # Rank 0 logs each resumption, on whichever node it is: both logs, in time order.
+    timed = sorted(line for line in both.splitlines() if line.startswith("[20"))
+    resumed = [int(s) for s in re.findall(r"resumed from \S+state-(\d+)\.hddp at step",
+                                          "\n".join(timed))]
+    assert len(resumed) >= 3, f"expected three resumptions, saw {resumed}\n" + both[-6000:]
     assert resumed == sorted(resumed), resumed
+    assert resumed[0] >= joined_after, (resumed, joined_after)
+    # The join resumed this job's commit at restart count 0 (by the job's id).
+    assert "a new generation of job 'hddp-test-" in both, "\n" + both[-6000:]
     # Every sample once per epoch, over the steps of the generation that trained each last.
     trained, repeated = steps_of(os.path.join(work, "samples"))
     assert sorted(trained) == list(range(1, total + 1)), (
@@ -242,9 +255,9 @@ def run(args, work, t_start):
         for step in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1):
             seen += trained[step]
         assert sorted(seen) == list(range(720)), f"epoch {epoch}: samples not each once"
-    # The log counts the steps trained again (a rank killed between its sample line and
-    # its progress mark leaves the count one short).
-    counted = sum(int(n) for n in re.findall(r"are trained again \((\d+) steps\)", log_a))
+    # The log counts the steps trained again at each resumption (a rank killed between its
+    # sample line and its progress mark leaves a count one short).
+    counted = sum(int(n) for n in re.findall(r"are trained again \((\d+) steps\)", both))
     assert repeated - 1 <= counted <= repeated, (
         f"{repeated} steps trained twice, the log counts {counted}\n" + log_a[-6000:])
     # The same parameters as an undisturbed run (summation order aside).

@@ -172,9 +172,12 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     if (!options_.saveDir.empty()) {
       elastic_.commitForAgent(options_.saveDir);
       if (elastic_.runId().empty() && comm.rank() == 0) {
-        HDDP_LOG_WARN("train", "torchrun runs this job without a job id (--rdzv-id): a "
+        HDDP_LOG_WARN("train",
+                      "torchrun runs this job without a job id (--rdzv-id): a "
                       "generation it starts after a node joins cannot tell this job's commits "
-                      "in ", options_.saveDir, " from another job's, so it resumes them only "
+                      "in ",
+                      options_.saveDir,
+                      " from another job's, so it resumes them only "
                       "with --resume. Give --rdzv-id");
       }
     } else if (comm.rank() == 0) {
@@ -295,9 +298,8 @@ TrainSummary Trainer::Impl::fit() {
     // torchrun's agent).
     const double now =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    at::Tensor t =
-        at::tensor({static_cast<double>(reached), std::floor(now * 1e3)}, at::kDouble)
-            .to(comm_.device());
+    at::Tensor t = at::tensor({static_cast<double>(reached), std::floor(now * 1e3)}, at::kDouble)
+                       .to(comm_.device());
     comm_.allreduce(t, {ReduceOp::Max}).wait();
     comm_.synchronize();  // the host reads it next (Communicator::synchronize)
     t = t.cpu();

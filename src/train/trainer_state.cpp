@@ -330,13 +330,14 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
       OutputArchive archive;
       archive.write("meta", encode(meta));
       const StateMeta::Progress& g = meta.progress;
-      archive.write("progress",
-                    at::tensor(std::vector<double>{g.epochLossSum, static_cast<double>(g.epochSamples),
-                                                   static_cast<double>(g.epochSteps), g.budgetSeconds,
-                                                   g.budgetEvaluationSeconds,
-                                                   static_cast<double>(g.budgetStartStep),
-                                                   static_cast<double>(g.budgetSteps)},
-                               at::kDouble));
+      archive.write(
+          "progress",
+          at::tensor(
+              std::vector<double>{g.epochLossSum, static_cast<double>(g.epochSamples),
+                                  static_cast<double>(g.epochSteps), g.budgetSeconds,
+                                  g.budgetEvaluationSeconds, static_cast<double>(g.budgetStartStep),
+                                  static_cast<double>(g.budgetSteps)},
+              at::kDouble));
       // Flat, by name: loading copies into the parameters (Module::load would replace
       // them, which detaches DDP's gradient hooks).
       for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
@@ -387,8 +388,8 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
   const auto outcomes =
       parts.comm.allgatherBytes(std::vector<uint8_t>(problem.begin(), problem.end()));
   for (size_t r = 0; r < outcomes.size(); ++r) {
-    HDDP_CHECK_AS(StateError, outcomes[r].empty(), "saving step ", meta.step, " failed on rank ",
-                  r, ": ", std::string(outcomes[r].begin(), outcomes[r].end()));
+    HDDP_CHECK_AS(StateError, outcomes[r].empty(), "saving step ", meta.step, " failed on rank ", r,
+                  ": ", std::string(outcomes[r].begin(), outcomes[r].end()));
   }
   return path;
 }

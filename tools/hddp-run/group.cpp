@@ -350,8 +350,10 @@ Group::Outcome Group::supervise(const Tick& tick) {
               r.slot, "rank " + std::to_string(r.globalRank) + " " + describeStatus(r.status));
         }
       }
-      if (allUsage && failedSlots.empty() && (usage.size() >= 2 || ranks_.size() == 1)) {
-        usageError = true;
+      // Every failed rank is a departure (an elastic job re-forms without its slot),
+      // unless they all failed alike with a usage error.
+      if (failedSlots.empty()) {
+        usageError = allUsage && (usage.size() >= 2 || ranks_.size() == 1);
         failedSlots = std::move(usage);
       }
     }

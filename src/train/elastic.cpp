@@ -109,8 +109,11 @@ void ProgressMark::write(int64_t step) {
   }
 }
 
-int64_t ProgressMark::newest(const std::string& dir) {
-  int64_t newest = -1;
+namespace {
+// Each mark of this job in `dir`, with its path.
+void forEachMarkOfThisJob(
+    const std::string& dir,
+    const std::function<void(const std::string&, int64_t job, int64_t step)>& visit) {
   const int64_t job = protocol::progressMarkJob();
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
@@ -119,10 +122,28 @@ int64_t ProgressMark::newest(const std::string& dir) {
     }
     const auto mark = protocol::readProgressMark(entry.path().string());
     if (mark && mark->job == job) {
-      newest = std::max<int64_t>(newest, mark->step);
+      visit(entry.path().string(), job, mark->step);
     }
   }
+}
+}  // namespace
+
+int64_t ProgressMark::newest(const std::string& dir) {
+  int64_t newest = -1;
+  forEachMarkOfThisJob(dir, [&](const std::string&, int64_t, int64_t step) {
+    newest = std::max<int64_t>(newest, step);
+  });
   return newest;
+}
+
+void ProgressMark::resetAll(const std::string& dir, int64_t step) {
+  forEachMarkOfThisJob(dir, [step](const std::string& path, int64_t job, int64_t) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      protocol::writeProgressMark(fd, {job, step});
+      ::close(fd);
+    }
+  });
 }
 
 namespace {
@@ -132,25 +153,6 @@ std::string launcherVariable(const char* name) {
   return value ? value : "";
 }
 }  // namespace
-
-void ProgressMark::resetAll(const std::string& dir, int64_t step) {
-  const int64_t job = protocol::progressMarkJob();
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    if (!protocol::progressMarkSlot(entry.path().filename().string())) {
-      continue;
-    }
-    const auto mark = protocol::readProgressMark(entry.path().string());
-    if (!mark || mark->job != job) {
-      continue;
-    }
-    const int fd = ::open(entry.path().c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      protocol::writeProgressMark(fd, {job, step});
-      ::close(fd);
-    }
-  }
-}
 
 ElasticRun::ElasticRun(const LaunchInfo& launch)
     : launch_(launch),

@@ -18,6 +18,7 @@
 #include "hddp/core/logging.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "support/ranks.h"
+#include "support/scoped_env.h"
 
 namespace {
 
@@ -236,25 +237,7 @@ TEST(NcclFailure, ValuesTorchWouldRefuseAreConfigErrorsNamingTheVariable) {
   }
 }
 
-// Sets (or unsets) an environment variable for the scope of a test.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      hadOld_ = true;
-    }
-    value ? setenv(name, value, 1) : unsetenv(name);
-  }
-  ~ScopedEnv() { hadOld_ ? setenv(name_.c_str(), old_.c_str(), 1) : unsetenv(name_.c_str()); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::string name_;
-  std::string old_;
-  bool hadOld_ = false;
-};
+using hddp::testing::ScopedEnv;
 
 // The warnings logged while an NCCL communicator for cuda:0 is created from the process's
 // environment. Without a GPU, c10d refuses to create it after hddp has read the settings.

@@ -6,26 +6,11 @@
 #include <cstdlib>
 
 #include "hddp/core/error.h"
+#include "support/scoped_env.h"
 
 namespace {
 
-// Sets (or unsets) an environment variable for the scope of a test.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      hadOld_ = true;
-    }
-    value ? setenv(name, value, 1) : unsetenv(name);
-  }
-  ~ScopedEnv() { hadOld_ ? setenv(name_.c_str(), old_.c_str(), 1) : unsetenv(name_.c_str()); }
-
- private:
-  std::string name_;
-  std::string old_;
-  bool hadOld_ = false;
-};
+using hddp::testing::ScopedEnv;
 
 TEST(Env, PrecedenceExplicitOverEnvironmentOverDefault) {
   ScopedEnv clear("HDDP_GLOO_THREADS", nullptr);

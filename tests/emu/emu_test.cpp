@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "emu_fixture.h"
+#include "support/scoped_env.h"
 
 namespace hddp {
 namespace emu {
@@ -257,35 +258,7 @@ TEST_F(EmuSlowdown, ASlowDeviceSleepsFactorMinusOneTimesItsComputeTime) {
   EXPECT_EQ(counters(1).ops, 0);
 }
 
-// Sets (or, with nullptr, unsets) an environment variable for a scope, then restores it.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) {
-      old_ = old;
-      hadOld_ = true;
-    }
-    if (value != nullptr) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (hadOld_) {
-      ::setenv(name_, old_.c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::string old_;
-  bool hadOld_ = false;
-};
+using hddp::testing::ScopedEnv;
 
 TEST(EmuEnv, OptionsFromEnvReadsEveryVariableAndDefaultsTheRest) {
   {

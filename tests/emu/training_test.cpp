@@ -2,6 +2,8 @@
 
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include <algorithm>
+#include <limits>
 #include <thread>
 
 #include "emu_fixture.h"
@@ -196,16 +198,23 @@ TEST_F(EmuTraining, PowerSgdsComputeRunsOnTheDeviceAndCountsItsSlowdown) {
   // A 10x slower card sleeps nine times its compute after each operator, inside the
   // timing. Not a bound on one pass against the slept total (a first pass that pays
   // one-time costs sleeps far more than the fastest one): the same warm timing at full
-  // speed, which a 10x stretch leaves several times behind.
+  // speed, which a 10x stretch leaves several times behind. Each the fastest of three,
+  // taken in turns, so that a burst of load on the machine inflates neither alone (the
+  // test also runs alone: tests/emu/CMakeLists.txt).
   PowerSgdOptions o;
   o.rank = 4;
-  const double full = timePowerSgdCompute(shapes, o, emuDevice(1));
-  setSlowdown(1, 10.0);
-  resetCounters();
-  const double slow = timePowerSgdCompute(shapes, o, emuDevice(1));
-  setSlowdown(1, 1.0);
-  const DeviceCounters c = counters(1);
-  EXPECT_GT(c.slowdownSeconds, 0.0);
+  double full = std::numeric_limits<double>::max();
+  double slow = std::numeric_limits<double>::max();
+  double slept = 0;
+  for (int round = 0; round < 3; ++round) {
+    full = std::min(full, timePowerSgdCompute(shapes, o, emuDevice(1)));
+    setSlowdown(1, 10.0);
+    resetCounters();
+    slow = std::min(slow, timePowerSgdCompute(shapes, o, emuDevice(1)));
+    slept += counters(1).slowdownSeconds;
+    setSlowdown(1, 1.0);
+  }
+  EXPECT_GT(slept, 0.0);
   EXPECT_GT(slow, 2.0 * full) << "full speed " << full << " s, 10x slower " << slow << " s";
 }
 

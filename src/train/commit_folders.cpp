@@ -229,7 +229,14 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
     chosen.receivers += lacks[static_cast<size_t>(r)] ? 1 : 0;
   }
   chosen.path = stateFileName(groups.dir, chosen.step);
+  // A writer whose folder holds the chosen commit has just read and checked it: the load
+  // takes those bytes rather than reading the file again.
+  const bool scannedIsChosen =
+      groups.writes(rank) && steps[static_cast<size_t>(rank)] == chosen.step;
   if (chosen.receivers == 0) {
+    if (scannedIsChosen) {
+      chosen.payload = std::move(scanned);
+    }
     return chosen;
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -267,6 +274,9 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   for (int r = 0; r < comm.size(); ++r) {
     const std::string said = stringOf(outcome[static_cast<size_t>(r)]);
     HDDP_CHECK_AS(StateError, said.empty(), "cannot resume: rank ", r, ": ", said);
+  }
+  if (scannedIsChosen && chosen.payload.empty()) {
+    chosen.payload = std::move(scanned);
   }
   std::set<int> lacking;
   for (int r = 0; r < comm.size(); ++r) {

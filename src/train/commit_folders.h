@@ -43,7 +43,8 @@ struct ChosenCommit {
   /// The file in this rank's folder (empty: no commit anywhere, start fresh).
   std::string path;
   /// Its payload when this rank received it over the communicator (its folder did not
-  /// hold it); empty when the file is read from `path`.
+  /// hold it) or read it while choosing (its folder's writer); empty when the file is
+  /// read from `path`.
   std::string payload;
   int64_t step = -1;
   /// Ranks that received it, and the bytes sent to each (for the log).

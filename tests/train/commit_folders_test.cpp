@@ -17,6 +17,7 @@
 #include "comm/round.h"
 #include "hddp/hddp.h"
 #include "support/ranks.h"
+#include "support/scoped_env.h"
 
 namespace fs = std::filesystem;
 using hddp::testing::runThreads;
@@ -83,22 +84,6 @@ void expectSameParameters(const std::vector<at::Tensor>& a, const std::vector<at
         << "tensor " << i << " differs by " << (a[i] - b[i]).abs().max().item<double>();
   }
 }
-
-// Sets environment variables for one scope (the Trainer reads torchrun's at construction).
-struct ScopedEnv {
-  std::vector<std::string> names;
-  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (const auto& [name, value] : vars) {
-      setenv(name, value, 1);
-      names.push_back(name);
-    }
-  }
-  ~ScopedEnv() {
-    for (const auto& n : names) {
-      unsetenv(n.c_str());
-    }
-  }
-};
 
 }  // namespace
 
@@ -219,7 +204,8 @@ TEST(CommitFolders, DamagedFilesInOneFolderGiveWayToAnotherFoldersCommit) {
 TEST(CommitFolders, UnderTorchrunsAgentAGenerationResumesOnlyItsOwnJobsCommits) {
   const std::string dir = hddp::testing::makeTempDir();
   {
-    ScopedEnv agent({{"TORCHELASTIC_USE_AGENT_STORE", "False"}, {"TORCHELASTIC_RUN_ID", "job-1"}});
+    hddp::testing::ScopedEnv agent("TORCHELASTIC_USE_AGENT_STORE", "False");
+    hddp::testing::ScopedEnv id("TORCHELASTIC_RUN_ID", "job-1");
     runThreads(2, [&](int rank, int size, hddp::Store& store) {
       train(rank, size, store, dir, /*maxSteps=*/6, nullptr);
     });
@@ -227,7 +213,8 @@ TEST(CommitFolders, UnderTorchrunsAgentAGenerationResumesOnlyItsOwnJobsCommits) 
   hddp::LaunchInfo firstGeneration;  // restart count 0, as torchrun gives after a join
   std::vector<hddp::TrainSummary> other(2), same(2);
   {
-    ScopedEnv agent({{"TORCHELASTIC_USE_AGENT_STORE", "False"}, {"TORCHELASTIC_RUN_ID", "job-2"}});
+    hddp::testing::ScopedEnv agent("TORCHELASTIC_USE_AGENT_STORE", "False");
+    hddp::testing::ScopedEnv id("TORCHELASTIC_RUN_ID", "job-2");
     runThreads(2, [&](int rank, int size, hddp::Store& store) {
       other[static_cast<size_t>(rank)] = train(rank, size, store, dir, 3, &firstGeneration);
     });
@@ -235,7 +222,8 @@ TEST(CommitFolders, UnderTorchrunsAgentAGenerationResumesOnlyItsOwnJobsCommits) 
   EXPECT_EQ(other[0].steps, 3) << "another job's commits are not resumed";
   // job-2 left its own commit at step 3; job-1's newest is step 6, which job-1 resumes.
   {
-    ScopedEnv agent({{"TORCHELASTIC_USE_AGENT_STORE", "False"}, {"TORCHELASTIC_RUN_ID", "job-1"}});
+    hddp::testing::ScopedEnv agent("TORCHELASTIC_USE_AGENT_STORE", "False");
+    hddp::testing::ScopedEnv id("TORCHELASTIC_RUN_ID", "job-1");
     runThreads(2, [&](int rank, int size, hddp::Store& store) {
       same[static_cast<size_t>(rank)] = train(rank, size, store, dir, 9, &firstGeneration);
     });

@@ -118,6 +118,23 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
                  "number from 1) or auto";
         }
       });
+  app.add_option("--zero", f.zero,
+                 "ZeRO: 0 plain data parallelism, 1 shard the optimizer state across ranks, 2 "
+                 "the gradients too (sgd and adamw; not with --compress)")
+      ->check(CLI::Range(0, 2))
+      ->capture_default_str();
+  app.add_option("--shard-by", f.shardBy,
+                 "With --zero: size the shards by free device memory (memory), equally "
+                 "(equal) or by ratios per rank (1:3)")
+      ->check([](const std::string& v) -> std::string {
+        try {
+          parseShardBy(v);
+          return {};
+        } catch (const ConfigError& e) {
+          return e.what_without_backtrace();
+        }
+      })
+      ->capture_default_str();
   app.add_option("--compress-start", f.compressStart,
                  "PowerSGD: plain allreduce for this many steps first (default: 10% of the "
                  "run's planned steps, at least 2)")
@@ -337,6 +354,8 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
                 "--amp fp16 needs a GPU (this rank runs on ", ctx.device.str(),
                 "); use --amp bf16 on CPU");
   o.clipGradNorm = f.clipGradNorm;
+  o.zero = f.zero;
+  o.shardBy = parseShardBy(f.shardBy);
   o.balance = f.balance;
   o.loader.workers = f.workers;
   o.loader.depth = f.prefetch;

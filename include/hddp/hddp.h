@@ -36,6 +36,7 @@
 #include "hddp/ddp/comm_hooks.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/power_sgd.h"
+#include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
 #include "hddp/train/model_profile.h"

@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
 
 #include "hddp/balance/compression_model.h"
 #include "hddp/balance/cost_model.h"
@@ -35,6 +38,8 @@ std::string compared(double mine, double other) {
 }
 
 std::string label(const MixEntry& e) { return e.device.key + " on " + e.link.key; }
+
+std::string capText(int64_t cap) { return cap == kNoCap ? "no cap" : std::to_string(cap); }
 
 // One step of a set of costs: the split, the allreduce and what of it backward hides.
 struct Step {
@@ -129,15 +134,29 @@ double aloneSamplesPerSecond(const RankCost& c, int64_t globalBatch) {
   return static_cast<double>(globalBatch) / seconds;
 }
 
-double fixedMemoryBytes(const ModelProfile& p, const WhatIfSettings& s) {
-  return p.parameterBytes * (2.0 + s.optimizerStateCopies);
+// What a device holds whatever its batch, with `share` of what ZeRO shards: the weights
+// whole, the gradients (sharded under ZeRO-2) and the optimizer state (under ZeRO-1 and 2).
+// The gradients are the fp32 parameters' bytes, as the plain rule counts them.
+struct Footprint {
+  double parameters = 0.0;
+  double gradients = 0.0;
+  double state = 0.0;
+  double fixed() const { return parameters + gradients + state; }
+};
+
+Footprint footprint(const ModelProfile& p, const WhatIfSettings& s, double share) {
+  Footprint f;
+  f.parameters = p.parameterBytes;
+  f.gradients = p.parameterBytes * (s.zero >= 2 ? share : 1.0);
+  f.state = p.parameterBytes * s.optimizerStateCopies * (s.zero >= 1 ? share : 1.0);
+  return f;
 }
 
-MemoryEstimator::Fit memoryFit(const DeviceSpec& d, const ModelProfile& p,
-                               const WhatIfSettings& s) {
+MemoryEstimator::Fit memoryFit(const DeviceSpec& d, const ModelProfile& p, const WhatIfSettings& s,
+                               double share) {
   MemoryEstimator::Fit fit;
   fit.steps = 1;
-  fit.fixedBytes = fixedMemoryBytes(p, s);
+  fit.fixedBytes = footprint(p, s, share).fixed();
   fit.perSampleBytes = p.activationBytesPerSample;
   fit.totalBytes = d.memoryGiB * kGiB;
   fit.otherBytes = s.contextBytes;
@@ -146,7 +165,114 @@ MemoryEstimator::Fit memoryFit(const DeviceSpec& d, const ModelProfile& p,
 
 const char* precisionName(AmpMode amp) { return amp == AmpMode::Off ? "fp32" : ampModeName(amp); }
 
+// WhatIfSettings::shardBy, parsed: the text the trainers' --shard-by takes, with the
+// messages of hddp::parseShardBy (the ddp layer, above this one; the tests hold the two to
+// the same answers).
+struct ShardRule {
+  enum class Kind { Memory, Equal, Ratios };
+  Kind kind = Kind::Memory;
+  std::vector<double> ratios;
+};
+
+ShardRule parseShardRule(const std::string& text) {
+  ShardRule rule;
+  if (text == "memory") {
+    return rule;
+  }
+  if (text == "equal") {
+    rule.kind = ShardRule::Kind::Equal;
+    return rule;
+  }
+  rule.kind = ShardRule::Kind::Ratios;
+  std::stringstream in(text);
+  std::string item;
+  double sum = 0;
+  while (std::getline(in, item, ':')) {
+    char* end = nullptr;
+    const double v = std::strtod(item.c_str(), &end);
+    HDDP_CHECK_AS(ConfigError,
+                  !item.empty() && end != nullptr && *end == '\0' && std::isfinite(v) && v >= 0,
+                  "what-if: --shard-by '", text, "': '", item,
+                  "' is not a number >= 0. Give memory, equal, or one ratio per device of the "
+                  "mix (1:3)");
+    rule.ratios.push_back(v);
+    sum += v;
+  }
+  HDDP_CHECK_AS(ConfigError, !rule.ratios.empty() && sum > 0, "what-if: --shard-by '", text,
+                "': give memory, equal, or one ratio per device of the mix, not all 0 (1:3)");
+  return rule;
+}
+
+// Each device's share of what ZeRO shards (see the header comment); one device holds all.
+std::vector<double> sharesFor(const std::vector<MixEntry>& mix, const ModelProfile& p,
+                              const WhatIfSettings& s, const ShardRule& rule) {
+  std::vector<double> shares(mix.size(), 1.0);
+  if (s.zero == 0 || mix.size() <= 1) {
+    return shares;
+  }
+  std::vector<double> weights(mix.size(), 1.0);
+  if (rule.kind == ShardRule::Kind::Ratios) {
+    weights = rule.ratios;
+  } else if (rule.kind == ShardRule::Kind::Memory) {
+    // The free memory after the model the Trainer measures; ZeRO-1 keeps a buffer for
+    // every gradient on every device, which is not free for the shard either.
+    const double model = p.parameterBytes * (s.zero == 1 ? 2.0 : 1.0);
+    for (size_t i = 0; i < mix.size(); ++i) {
+      weights[i] = std::max(0.0, mix[i].device.memoryGiB * kGiB - s.contextBytes - model);
+    }
+  }
+  double sum = 0.0;
+  for (double w : weights) {
+    sum += w;
+  }
+  HDDP_CHECK_AS(ConfigError, sum > 0, "what-if: no device of the mix has memory left for a ZeRO-",
+                s.zero, " shard after ", format("%.2f", p.parameterBytes / kGiB), " GiB of weights",
+                s.zero == 1 ? " and as much of gradients" : "", " of ", p.model,
+                ": use --amp, a smaller model, or larger devices");
+  for (size_t i = 0; i < mix.size(); ++i) {
+    shares[i] = weights[i] / sum;
+  }
+  return shares;
+}
+
+void checkZero(const std::vector<MixEntry>& mix, const WhatIfSettings& s, const ShardRule& rule) {
+  HDDP_CHECK_AS(ConfigError, s.zero >= 0 && s.zero <= 2, "what-if: --zero is ", s.zero,
+                "; give 0 (plain data parallelism), 1 (optimizer state sharded) or 2 (and "
+                "gradients)");
+  if (s.zero == 0) {
+    return;
+  }
+  HDDP_CHECK_AS(ConfigError,
+                rule.kind != ShardRule::Kind::Ratios || rule.ratios.size() == mix.size(),
+                "what-if: --shard-by ", s.shardBy, " gives ", rule.ratios.size(), " ratios for ",
+                mix.size(), " devices in the mix; give one per device");
+  if (s.compression != "auto") {
+    const auto spec = CompressionSpec::parse(s.compression, "what-if");
+    HDDP_CHECK_AS(ConfigError, spec.kind == CompressionSpec::Kind::None, "what-if: ZeRO (--zero ",
+                  s.zero,
+                  ") reduces each gradient bucket to the device that owns it and cannot "
+                  "be combined with gradient compression (--compress ",
+                  s.compression, "); drop --compress or use --zero 0");
+  }
+}
+
+// The caps of `costs`' devices with `shares` of what ZeRO shards.
+void setCaps(std::vector<RankCost>& costs, const std::vector<MixEntry>& mix, const ModelProfile& p,
+             const WhatIfSettings& s, const std::vector<double>& shares) {
+  for (size_t i = 0; i < mix.size(); ++i) {
+    costs[i].maxSamples =
+        MemoryEstimator::capFor(memoryFit(mix[i].device, p, s, shares[i]), s.memoryHeadroom);
+  }
+}
+
 }  // namespace
+
+std::vector<double> stateShares(const std::vector<MixEntry>& mix, const ModelProfile& p,
+                                const WhatIfSettings& s) {
+  const ShardRule rule = parseShardRule(s.shardBy);
+  checkZero(mix, s, rule);
+  return sharesFor(mix, p, s, rule);
+}
 
 double peakTflopsFor(const DeviceSpec& d, AmpMode amp) {
   const double rate = amp == AmpMode::Fp16 ? d.fp16Tflops : amp == AmpMode::Bf16 ? d.bf16Tflops : 0;
@@ -169,6 +295,7 @@ std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelP
   HDDP_CHECK_AS(ConfigError, s.memoryTraffic >= 0 && std::isfinite(s.memoryTraffic),
                 "what-if: the memory traffic is bytes moved per activation byte, 0 or more, not ",
                 s.memoryTraffic);
+  const std::vector<double> shares = stateShares(mix, p, s);
   std::vector<RankCost> costs;
   for (const auto& e : mix) {
     RankCost c;
@@ -187,9 +314,9 @@ std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelP
     c.bytesPerSample = p.inputBytesPerSample;
     c.linkBytesPerSecond = e.link.GBps * 1e9;
     c.transferOverlapped = s.prefetch;
-    c.maxSamples = MemoryEstimator::capFor(memoryFit(e.device, p, s), s.memoryHeadroom);
     costs.push_back(c);
   }
+  setCaps(costs, mix, p, s, shares);
   return costs;
 }
 
@@ -199,10 +326,12 @@ namespace {
 // priced and chosen as the Trainer does); the choice is recorded in `r`.
 Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCost>& costs,
                       const ModelProfile& p, const WhatIfSettings& s, WhatIfResult& r) {
-  const bool choose = s.compression == "auto";
-  std::vector<CompressionSpec> specs =
-      choose ? autoCandidates(p.amp)
-             : std::vector<CompressionSpec>{CompressionSpec::parse(s.compression, "what-if")};
+  // Under ZeRO the Trainer turns auto off: each bucket goes to its owner whole.
+  const bool choose = s.compression == "auto" && s.zero == 0;
+  std::vector<CompressionSpec> specs = choose
+                                           ? autoCandidates(p.amp)
+                                           : std::vector<CompressionSpec>{CompressionSpec::parse(
+                                                 s.zero > 0 ? "none" : s.compression, "what-if")};
   GradientLayout layout;
   layout.shapes = p.gradientShapes;
   layout.firstBucketBytes = s.firstBucketBytes;
@@ -270,6 +399,8 @@ Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCo
 WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
                         const WhatIfSettings& s, const DeviceTable& table) {
   const std::vector<RankCost> costs = whatIfCosts(mix, p, s, table);
+  const ShardRule rule = parseShardRule(s.shardBy);
+  const std::vector<double> shares = sharesFor(mix, p, s, rule);
   const int64_t B = s.globalBatch;
   int64_t room = 0;
   for (const auto& c : costs) {
@@ -298,8 +429,13 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
     d.computeSeconds = costs[i].secondsPerSample * static_cast<double>(d.local);
     d.transferSeconds = costs[i].transferSecondsPerSample() * static_cast<double>(d.local);
     d.stepSeconds = costs[i].predict(d.local);
-    d.memoryBytes =
-        fixedMemoryBytes(p, s) + p.activationBytesPerSample * static_cast<double>(d.local);
+    const Footprint f = footprint(p, s, shares[i]);
+    d.parameterBytes = f.parameters;
+    d.gradientBytes = f.gradients;
+    d.stateBytes = f.state;
+    d.activationBytes = p.activationBytesPerSample * static_cast<double>(d.local);
+    d.shareOfState = shares[i];
+    d.memoryBytes = f.fixed() + d.activationBytes;
     r.devices.push_back(d);
   }
 
@@ -319,7 +455,11 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
         static_cast<double>(B) / stepFor(costs, equal.local, traffic, s).seconds;
   }
   for (size_t i = 0; i < costs.size(); ++i) {
-    const double alone = aloneSamplesPerSecond(costs[i], B);
+    // Alone, a device holds all of what ZeRO would shard.
+    RankCost whole = costs[i];
+    whole.maxSamples =
+        MemoryEstimator::capFor(memoryFit(mix[i].device, p, s, 1.0), s.memoryHeadroom);
+    const double alone = aloneSamplesPerSecond(whole, B);
     if (alone > r.fastestAloneSamplesPerSecond) {
       r.fastestAloneSamplesPerSecond = alone;
       r.fastest = static_cast<int>(i);
@@ -346,6 +486,16 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
       rest.erase(rest.begin() + static_cast<std::ptrdiff_t>(i));
       double restRate = 0.0;
       try {
+        if (s.zero > 0) {
+          // The others share the shards out between them: each holds more.
+          std::vector<MixEntry> others = mix;
+          others.erase(others.begin() + static_cast<std::ptrdiff_t>(i));
+          ShardRule otherRule = rule;
+          if (rule.kind == ShardRule::Kind::Ratios) {
+            otherRule.ratios.erase(otherRule.ratios.begin() + static_cast<std::ptrdiff_t>(i));
+          }
+          setCaps(rest, others, p, s, sharesFor(others, p, s, otherRule));
+        }
         restRate =
             static_cast<double>(B) / (rest.size() == 1 ? B / aloneSamplesPerSecond(rest[0], B)
                                                        : solvedStep(rest, B, traffic, s).seconds);
@@ -417,8 +567,35 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
   if (!r.compressionWhy.empty()) {
     advice.push_back("--compress auto would choose " + r.compressionWhy);
   }
+  if (s.zero > 0 && s.compression == "auto") {
+    advice.push_back(format("ZeRO-%.0f sends each gradient bucket whole to its owner: ", s.zero) +
+                     "--compress auto chooses none, as the Trainer does");
+  }
+  if (s.zero > 0 && mix.size() > 1) {
+    // Who holds how much, and what it buys against plain data parallelism.
+    WhatIfSettings plain = s;
+    plain.zero = 0;
+    std::string held;
+    std::string caps;
+    std::string plainCaps;
+    for (size_t i = 0; i < mix.size(); ++i) {
+      const auto& d = r.devices[i];
+      const double sharded = d.stateBytes + (s.zero == 2 ? d.gradientBytes : 0.0);
+      held += std::string(i == 0 ? "the " : ", the ") + mix[i].device.key + " " +
+              percent(d.shareOfState) + format(" (%.2f GiB)", sharded / kGiB);
+      const int64_t plainCap =
+          MemoryEstimator::capFor(memoryFit(mix[i].device, p, plain, 1.0), s.memoryHeadroom);
+      caps += (i == 0 ? "" : ", ") + capText(d.memoryCap);
+      plainCaps += (i == 0 ? "" : ", ") + capText(plainCap);
+    }
+    advice.push_back(
+        format("ZeRO-%.0f shards ", s.zero) +
+        (s.zero == 2 ? "the optimizer state and the gradients" : "the optimizer state") + " by " +
+        (rule.kind == ShardRule::Kind::Ratios ? "--shard-by " + s.shardBy : s.shardBy) + ": " +
+        held + "; memory caps " + caps + " samples, against " + plainCaps + " without ZeRO");
+  }
   for (size_t i = 0; i < mix.size(); ++i) {
-    const auto fit = memoryFit(mix[i].device, p, s);
+    const auto fit = memoryFit(mix[i].device, p, s, shares[i]);
     const int64_t cap = costs[i].maxSamples;
     const std::string precision =
         p.amp == AmpMode::Off ? "in fp32" : std::string("with ") + ampModeName(p.amp) + " AMP";
@@ -428,7 +605,10 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
                        precision +
                        format(": %.2f GiB of weights, gradients and optimizer state, %.0f MiB "
                               "per sample",
-                              fit.fixedBytes / kGiB, fit.perSampleBytes / kMiB));
+                              fit.fixedBytes / kGiB, fit.perSampleBytes / kMiB) +
+                       (s.zero > 0 ? format(" (with its ZeRO-%.0f shard, %.0f%% of the state)",
+                                            s.zero, 100.0 * shares[i])
+                                   : std::string()));
     } else if (cap != kNoCap && r.plan.local[i] == cap && cap < B) {
       advice.push_back("memory caps the " + mix[i].device.key +
                        format(" at %.0f samples ", static_cast<double>(cap)) + precision +

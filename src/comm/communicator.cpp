@@ -195,6 +195,37 @@ class C10dCommunicator final : public Communicator {
     return launch(what, [&] { return backend_->broadcast(tensors, opts); });
   }
 
+  Work reduce(at::Tensor& tensor, const ReduceOptions& options) override {
+    const int root = options.root;
+    checkTensor(tensor, "reduce");
+    checkAvg(options.op, tensor);
+    HDDP_CHECK(root >= 0 && root < size_, "reduce root ", root, " is not a rank of this ", size_,
+               "-rank group");
+    if (needsStaging(tensor)) {
+      at::Tensor host = toHost(tensor);
+      return copiedBackOnCompletion(reduce(host, options), {host}, {tensor});
+    }
+    std::vector<at::Tensor> tensors{tensor};
+    const std::string what = c10::str("reduce(", reduceOpName(options.op), ") to rank ", root,
+                                      " of ", describeTensors(tensors), rankSuffix());
+    if (tensor.numel() == 0) {
+      return completed(what);
+    }
+    const bool emulateAvg = options.op == ReduceOp::Avg && kind_ == Backend::Gloo;
+    c10d::ReduceOptions opts;
+    opts.reduceOp = toC10d(emulateAvg ? ReduceOp::Sum : options.op);
+    opts.rootRank = root;
+    opts.rootTensor = 0;
+    opts.timeout = timeoutOf(options);
+    auto work = launch(what, [&] { return backend_->reduce(tensors, opts); });
+    if (emulateAvg && rank_ == root) {
+      at::Tensor t = tensor;
+      const int n = size_;
+      work.impl_unsafe()->onComplete = [t, n]() mutable { t.div_(n); };
+    }
+    return std::move(work.work);
+  }
+
   Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
                  const AllgatherOptions& options) override {
     checkTensor(input, "allgather");
@@ -410,6 +441,12 @@ class C10dCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+Work Communicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
+  AllreduceOptions all(options.op);
+  all.timeout = options.timeout;
+  return allreduce(tensor, all);
+}
 
 RemovableHandle Communicator::addWaitObserver(WaitObserver& observer) {
   waitObservers_->add(&observer);

@@ -28,6 +28,7 @@ double emulatedCollectiveSeconds(CollectiveKind kind, double bytes, int ranks,
     case CollectiveKind::ReduceScatter:
       return (n - 1.0) / n * bytes * perByte + (n - 1.0) * L;
     case CollectiveKind::Broadcast:
+    case CollectiveKind::Reduce:
       return bytes * perByte + (n - 1.0) * L;
     case CollectiveKind::Barrier:
       return 2.0 * (n - 1.0) * L;
@@ -68,6 +69,10 @@ class LinkEmulatingCommunicator final : public Communicator {
   Work broadcast(at::Tensor& tensor, const BroadcastOptions& options) override {
     const double bytes = bytesOf(tensor);
     return delayed(inner_.broadcast(tensor, options), CollectiveKind::Broadcast, bytes);
+  }
+  Work reduce(at::Tensor& tensor, const ReduceOptions& options) override {
+    const double bytes = bytesOf(tensor);
+    return delayed(inner_.reduce(tensor, options), CollectiveKind::Reduce, bytes);
   }
   Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
                  const AllgatherOptions& options) override {

@@ -9,7 +9,8 @@
 namespace hddp {
 namespace detail {
 
-void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors, int root) {
+void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors, int root,
+                        int64_t chunkBytes) {
   c10::NoGradGuard noGrad;
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) {
@@ -19,16 +20,26 @@ void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tenso
   }
   for (auto& entry : groups) {
     auto& group = entry.second;
-    std::vector<at::Tensor> flat;
-    for (const auto& t : group) {
-      flat.push_back(t.detach().reshape({-1}));
-    }
-    at::Tensor buffer = at::cat(flat);
-    comm.broadcast(buffer, root).wait();
-    int64_t offset = 0;
-    for (auto& t : group) {
-      t.detach().copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
+    size_t first = 0;
+    while (first < group.size()) {
+      size_t end = first;
+      int64_t bytes = 0;
+      std::vector<at::Tensor> flat;
+      while (end < group.size() &&
+             (end == first || bytes + static_cast<int64_t>(group[end].nbytes()) <= chunkBytes)) {
+        bytes += static_cast<int64_t>(group[end].nbytes());
+        flat.push_back(group[end].detach().reshape({-1}));
+        ++end;
+      }
+      at::Tensor buffer = at::cat(flat);
+      comm.broadcast(buffer, root).wait();
+      int64_t offset = 0;
+      for (size_t i = first; i < end; ++i) {
+        at::Tensor& t = group[i];
+        t.detach().copy_(buffer.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+      first = end;
     }
   }
 }

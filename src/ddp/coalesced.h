@@ -1,6 +1,7 @@
 // Coalesced broadcast: one collective per dtype/device instead of one per tensor.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "hddp/comm/communicator.h"
@@ -9,8 +10,11 @@ namespace hddp {
 namespace detail {
 
 /// Broadcasts `tensors` from `root` in place, grouped by dtype and device, each group
-/// through one flat buffer. Blocks until done.
-void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors, int root);
+/// through flat buffers of at most `chunkBytes` (a tensor larger than that alone), so
+/// the copy it needs stays that size (PyTorch DDP's construction broadcast: 250 MiB
+/// buckets). Blocks until done.
+void broadcastCoalesced(Communicator& comm, const std::vector<at::Tensor>& tensors, int root,
+                        int64_t chunkBytes = int64_t{250} << 20);
 
 /// Sets every tensor to the weighted mean over ranks, sum_r w_r x_r / sum_r w_r, with
 /// `weight` this rank's w_r (its samples since the last synchronisation): the ranks

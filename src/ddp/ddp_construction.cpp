@@ -64,7 +64,8 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
     }
     all.insert(all.end(), frozen_.begin(), frozen_.end());
     all.insert(all.end(), buffers_.begin(), buffers_.end());
-    detail::broadcastCoalesced(comm_, all, 0);
+    // In chunks of a bucket: a small card need not hold a second copy of the model.
+    detail::broadcastCoalesced(comm_, all, 0, options_.bucketCapBytes);
   }
   std::vector<int> order;
   for (int i = static_cast<int>(params_.size()) - 1; i >= 0; --i) {

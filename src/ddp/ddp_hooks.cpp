@@ -60,6 +60,12 @@ void DistributedDataParallel::Impl::holdOver(Param& p) {
   if (!p.holdsReduced) {
     return;
   }
+  if (sharded()) {
+    // Only the owner holds the sum; the others' gradients of it are zeros or released.
+    // Sending it as it is makes the next sum old + new.
+    p.holdsReduced = false;
+    return;
+  }
   p.holdsReduced = false;
   at::Tensor& grad = p.tensor.mutable_grad();
   if (grad.defined()) {
@@ -139,6 +145,7 @@ void DistributedDataParallel::Impl::markReady(int index, bool duringBackward) {
     readyOrder_.push_back(index);
   }
   holdOver(p);  // no gradient reached it in this step (unused, or a rank without samples)
+  ensureFlat(buckets_[static_cast<size_t>(p.bucket)]);
   at::Tensor view = sliceOf(p);
   at::Tensor& grad = p.tensor.mutable_grad();
   if (grad.defined() && grad.is_sparse()) {
@@ -197,6 +204,10 @@ void DistributedDataParallel::Impl::launchReadyBuckets(bool duringBackward) {
     if (isLast && !hookSumsWholeBuffer_) {
       statusWire_ = statusSlot().clone();
       statusWork_ = comm_.allreduce(statusWire_);
+    }
+    if (releaseForeign_ && foreign(b)) {
+      foreignInFlight_.push_back(nextBucket_ - 1);
+      releaseSentForeignBuckets(/*keepInFlight=*/true);
     }
   }
 }

@@ -49,7 +49,9 @@ class DistributedDataParallel::Impl {
 
   struct Bucket {
     std::vector<int> params;
-    at::Tensor flat;
+    at::Tensor flat;       // undefined while a released foreign bucket (ZeRO-2) waits for gradients
+    int64_t elements = 0;  // the gradients' elements (the flat may hold the status too)
+    int owner = -1;        // with gradient owners: the rank the bucket is reduced to
     std::function<void()> finish;  // the comm hook's, run after `work` completed
     CommHookThen then;             // the comm hook's second round, if any
     int pending = 0;
@@ -122,6 +124,23 @@ class DistributedDataParallel::Impl {
   /// syncBuffers).
   void syncBuffers();
   void buildBuckets(const std::vector<int>& order);
+  /// Allocates a released bucket's buffer again (zeros), at its first gradient.
+  void ensureFlat(Bucket& b);
+
+  // ---- gradient owners (ZeRO; ddp_owners.cpp) -----------------------------------------
+
+  bool sharded() const { return !owners_.empty(); }
+  bool foreign(const Bucket& b) const { return sharded() && b.owner != comm_.rank(); }
+  void setGradientOwners(std::vector<int> owners, bool releaseForeign);
+  /// Splits buckets so that none mixes owners (keeping the order within each).
+  std::vector<std::vector<int>> splitByOwner(const std::vector<std::vector<int>>& buckets) const;
+  /// During backward (ZeRO-2): waits for the oldest foreign buckets in flight beyond
+  /// kForeignInFlight and releases them.
+  void releaseSentForeignBuckets(bool keepInFlight);
+  /// After the step's reductions: foreign gradients become zeros (ZeRO-1) or undefined
+  /// with their buffers freed (ZeRO-2).
+  void settleForeignGradients();
+  void release(Bucket& b);
   void rebuildFromObservedOrder();
 
   std::shared_ptr<torch::nn::Module> module_;
@@ -158,6 +177,11 @@ class DistributedDataParallel::Impl {
   std::vector<int> readyOrder_;
   DdpStepStats stats_;
   std::vector<BucketTiming> bucketTimes_;  // the last synchronized step's, launch order
+  // ZeRO: the owning rank of each parameter (empty: every rank receives every sum).
+  std::vector<int> owners_;
+  bool releaseForeign_ = false;
+  at::Tensor status_;                 // with owners: the step's status, outside the buckets
+  std::vector<int> foreignInFlight_;  // ZeRO-2: foreign buckets sent, not yet released
 };
 
 }  // namespace hddp

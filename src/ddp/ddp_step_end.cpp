@@ -113,9 +113,10 @@ void DistributedDataParallel::Impl::finalize() {
   bucketTimes_.clear();
   for (auto& b : buckets_) {
     const int64_t done = b.completedAtNs->load();
-    bucketTimes_.push_back(
-        BucketTiming{b.launchedAt, done > 0 ? Clock::time_point(Clock::duration(done)) : waitEnd,
-                     static_cast<int64_t>(b.flat.nbytes())});
+    bucketTimes_.push_back(BucketTiming{
+        b.launchedAt, done > 0 ? Clock::time_point(Clock::duration(done)) : waitEnd,
+        b.elements * static_cast<int64_t>(
+                         params_[static_cast<size_t>(b.params.front())].tensor.element_size())});
   }
   if (!buckets_.empty()) {
     const auto last = Clock::time_point(Clock::duration(lastDone));
@@ -133,8 +134,12 @@ void DistributedDataParallel::Impl::finalize() {
       secondFinish[i]();
     }
   }
+  settleForeignGradients();
   if (!options_.gradientAsBucketView) {
     for (auto& p : params_) {
+      if (foreign(buckets_[static_cast<size_t>(p.bucket)])) {
+        continue;
+      }
       at::Tensor& grad = p.tensor.mutable_grad();
       if (grad.defined()) {
         grad.copy_(sliceOf(p));
@@ -206,6 +211,10 @@ bool DistributedDataParallel::Impl::lastStepAbandoned() {
 // The last element of the last bucket (launched last): 0 from every rank that
 // finished the step, 1 from a rank that abandoned it; summed by the allreduce.
 at::Tensor DistributedDataParallel::Impl::statusSlot() {
+  if (sharded()) {
+    return status_;
+  }
+  ensureFlat(buckets_.back());
   const at::Tensor& flat = buckets_.back().flat;
   return flat.narrow(0, flat.numel() - 1, 1);
 }
@@ -229,8 +238,11 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
   for (const auto& p : params_) {
     tensors.push_back(p.tensor);
   }
-  const auto assignment =
+  auto assignment =
       ddp::assignBuckets(tensors, order, options_.firstBucketBytes, options_.bucketCapBytes);
+  if (sharded()) {
+    assignment = splitByOwner(assignment);
+  }
   std::vector<Bucket> buckets(assignment.size());
   for (size_t bi = 0; bi < assignment.size(); ++bi) {
     Bucket& b = buckets[bi];
@@ -240,16 +252,32 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
       total += params_[index].tensor.numel();
     }
     const at::Tensor& first = params_[b.params.front()].tensor;
-    // The last bucket carries one more element: the step's status (abandonStep).
-    const int64_t status = bi + 1 == assignment.size() ? 1 : 0;
-    b.flat = at::zeros({total + status}, first.options().requires_grad(false));
+    b.elements = total;
+    b.owner = sharded() ? owners_[static_cast<size_t>(b.params.front())] : -1;
+    // The last bucket carries one more element: the step's status (abandonStep); with
+    // gradient owners the status has its own tensor (a foreign bucket may be released).
+    const int64_t status = bi + 1 == assignment.size() && !sharded() ? 1 : 0;
+    if (!(releaseForeign_ && foreign(b)) && !options_.allocateBucketsLazily) {
+      b.flat = at::zeros({total + status}, first.options().requires_grad(false));
+    }
   }
-  // Move current gradients into the new buffers.
+  // Move current gradients into the new buffers: the old buffers go first (a gradient
+  // that is a view keeps its buffer alive), so that a rebuild holds one copy more of the
+  // gradients, not two. With owners, a foreign gradient (zeros, or already released) is
+  // not carried: the next step sends zeros for it as for any cleared gradient.
   std::vector<at::Tensor> oldGrads;
-  for (auto& p : params_) {
-    oldGrads.push_back(p.tensor.grad().defined() ? p.tensor.grad().detach().clone() : at::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    at::Tensor& grad = params_[i].tensor.mutable_grad();
+    const bool carried = grad.defined() && (!sharded() || owners_[i] == comm_.rank());
+    oldGrads.push_back(carried ? grad.detach().clone() : at::Tensor());
+    grad = at::Tensor();
   }
-  at::Tensor status = buckets_.empty() ? at::Tensor() : statusSlot().clone();
+  at::Tensor status =
+      buckets_.empty() || (sharded() && !status_.defined()) ? at::Tensor() : statusSlot().clone();
+  if (sharded() && !status_.defined() && !buckets.empty()) {
+    status_ = at::zeros(
+        {1}, params_[buckets.front().params.front()].tensor.options().requires_grad(false));
+  }
   buckets_ = std::move(buckets);
   if (status.defined() && !buckets_.empty()) {
     statusSlot().copy_(status);  // a rebuild after an abandoned step keeps its status
@@ -264,12 +292,21 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (oldGrads[i].defined()) {
+      ensureFlat(buckets_[static_cast<size_t>(params_[i].bucket)]);
       at::Tensor view = sliceOf(params_[i]);
       view.copy_(oldGrads[i]);
-      if (options_.gradientAsBucketView) {
-        params_[i].tensor.mutable_grad() = view;
-      }
+      params_[i].tensor.mutable_grad() = options_.gradientAsBucketView ? view : oldGrads[i];
     }
+  }
+}
+
+void DistributedDataParallel::Impl::ensureFlat(Bucket& b) {
+  if (!b.flat.defined()) {
+    // Without owners the last bucket carries the step's status too.
+    const int64_t status = !sharded() && &b == &buckets_.back() ? 1 : 0;
+    b.flat = at::zeros(
+        {b.elements + status},
+        params_[static_cast<size_t>(b.params.front())].tensor.options().requires_grad(false));
   }
 }
 

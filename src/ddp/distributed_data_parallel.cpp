@@ -25,6 +25,23 @@ DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.impl_->setNoSync(previous_); }
 
 void DistributedDataParallel::finalize() { impl_->finalize(); }
+std::vector<at::Tensor> DistributedDataParallel::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : impl_->params_) {
+    out.push_back(p.tensor);
+  }
+  return out;
+}
+std::vector<std::string> DistributedDataParallel::parameterNames() const {
+  std::vector<std::string> out;
+  for (const auto& p : impl_->params_) {
+    out.push_back(p.name);
+  }
+  return out;
+}
+void DistributedDataParallel::setGradientOwners(std::vector<int> owners, bool releaseForeign) {
+  impl_->setGradientOwners(std::move(owners), releaseForeign);
+}
 void DistributedDataParallel::syncBuffers() { impl_->syncBuffers(); }
 torch::nn::Module& DistributedDataParallel::module() { return *impl_->module_; }
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::modulePtr() const {
@@ -51,6 +68,9 @@ void DistributedDataParallel::setCompression(GradCompression compression,
   HDDP_CHECK_AS(ConfigError, d.step_ == 0 && !d.stepActive_,
                 "setCompression: the compression is set before the first step, and ", d.step_,
                 " steps have run");
+  HDDP_CHECK_AS(ConfigError, !d.sharded() || compression == GradCompression::None,
+                "setCompression: gradient owners are set (ZeRO); buckets are reduced to their "
+                "owners and cannot be compressed");
   const DdpOptions before = d.options_;
   d.options_.compression = compression;
   d.options_.powerSgd = powerSgd;

@@ -22,6 +22,8 @@ nlohmann::json Trainer::Impl::runConfig() const {
                    {"amp", ampModeName(options_.amp)},
                    {"balance", planner_ != nullptr},
                    {"compression", compressionName_},
+                   {"zero", options_.zero},
+                   {"shard_by", options_.zero > 0 ? describeShardBy(options_.shardBy) : "-"},
                    {"hddp", version()}};
   if (e.active()) {
     c["emulation"] = {{"slowdown", e.slowdown},

@@ -54,6 +54,17 @@ void MemoryMeter::beginStep() {
       allocator->getDeviceStats(device_.index()).allocated_bytes[kAggregate].current);
 }
 
+double MemoryMeter::freeBytes() const {
+  if (emulation_.emulatesMemory()) {
+    return std::max(0.0, emulation_.memoryTotalBytes - emulation_.memoryFixedBytes);
+  }
+  if (device_.is_cpu()) {
+    return -1.0;
+  }
+  auto* allocator = c10::getDeviceAllocator(device_.type());
+  return static_cast<double>(allocator->getMemoryInfo(device_.index()).first);
+}
+
 MemoryReading MemoryMeter::endStep(int64_t samples) {
   MemoryReading r;
   r.valid = true;

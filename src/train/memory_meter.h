@@ -40,6 +40,9 @@ class MemoryMeter {
   void beginStep();
   /// After the step's optimizer update.
   MemoryReading endStep(int64_t samples);
+  /// The device's free memory now (the allocator's reading; emulated: total minus the
+  /// fixed part); -1 where it cannot be measured (a CPU rank).
+  double freeBytes() const;
 
  private:
   c10::Device device_{c10::kCPU};

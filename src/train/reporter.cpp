@@ -75,6 +75,9 @@ void Reporter::step(const StepReport& r) {
     }
     record["memory"] = memory;
   }
+  if (r.optimizerStateBytes >= 0) {
+    record["optimizer_state_bytes"] = r.optimizerStateBytes;
+  }
   metrics_.write(record);
   std::ostringstream extra;
   extra << "  share " << r.localBatch << "/" << r.globalBatch;

@@ -43,6 +43,7 @@ struct StepReport {
   double planExchangeSeconds = 0;
   MemoryReading memory;    // valid: measured
   int64_t memoryCap = -1;  // this rank's cap in the plan (-1: none)
+  int64_t optimizerStateBytes = -1;  // this rank's optimizer state (-1: not known)
 };
 
 struct EpochReport {

@@ -59,7 +59,11 @@ bool Trainer::Impl::runStep(const Batch& batch) {
 std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clock) {
   const int64_t local = batch.share.localBatch;
   ddp_->setBatch(local, batch.share.globalBatch);
-  optimizer_.zero_grad();
+  if (sharded_) {
+    sharded_->zeroGrad();  // the optimizer holds this rank's shard only
+  } else {
+    optimizer_.zero_grad();
+  }
   clock.forwardEnd = clock.start;
   if (local == 0) {
     ddp_->finalize();  // no samples this step: contribute zeros, receive the others'
@@ -125,10 +129,19 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
                 batch.share.localBatch);
   if (options_.clipGradNorm > 0) {
     scaler_->unscale(optimizer_);
-    // Each tensor once: a tied weight's norm counts once, as in PyTorch.
-    torch::nn::utils::clip_grad_norm_(uniqueParameters(*model_), options_.clipGradNorm);
+    if (sharded_) {
+      sharded_->clipGradNorm(options_.clipGradNorm);  // the norm over every shard
+    } else {
+      // Each tensor once: a tied weight's norm counts once, as in PyTorch.
+      torch::nn::utils::clip_grad_norm_(uniqueParameters(*model_), options_.clipGradNorm);
+    }
   }
+  // The found-inf is agreed across ranks before any shard steps, so every rank skips
+  // together and no gather is owed.
   const bool stepped = scaler_->step(optimizer_);
+  if (stepped && sharded_) {
+    sharded_->gatherParameters();
+  }
   scaler_->update();
   timer_->stop();  // on a device: an event after the optimizer's kernels, read later
   clock.end = Clock::now();
@@ -229,6 +242,7 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
     const int64_t cap = planner_->memoryCaps()[static_cast<size_t>(comm_.rank())];
     r.memoryCap = cap == std::numeric_limits<int64_t>::max() ? -1 : cap;
   }
+  r.optimizerStateBytes = optimizerStateBytes(optimizer_);
   reporter_.step(r);
 }
 

@@ -84,6 +84,22 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
                   "decides what is sent, so leave compression at None");
     PowerSgdState validate(o.ddp.powerSgd);  // its options are checked now, not when chosen
   }
+  HDDP_CHECK_AS(ConfigError, o.zero >= 0 && o.zero <= 2, "TrainerOptions::zero (--zero) is ",
+                o.zero,
+                "; give 0 (plain data parallelism), 1 (optimizer state sharded) or 2 "
+                "(and gradients)");
+  HDDP_CHECK_AS(ConfigError,
+                o.zero == 0 || (!o.ddp.commHook && (o.ddp.compression == GradCompression::None ||
+                                                    o.ddp.compression == GradCompression::Auto)),
+                "ZeRO (--zero ", o.zero,
+                ") reduces each gradient bucket to the rank that owns "
+                "it and cannot be combined with gradient compression or a comm hook; drop "
+                "--compress or use --zero 0");
+  HDDP_CHECK_AS(ConfigError,
+                o.zero == 0 || o.shardBy.kind != ShardBy::Kind::Ratios ||
+                    static_cast<int>(o.shardBy.ratios.size()) == comm.size(),
+                "--shard-by ", describeShardBy(o.shardBy), " gives ", o.shardBy.ratios.size(),
+                " ratios for ", comm.size(), " ranks; give one per rank");
   HDDP_CHECK_AS(ConfigError, o.keepLast >= 1, "TrainerOptions::keepLast must be >= 1");
   HDDP_CHECK_AS(ConfigError, o.saveEvery == 0 || !o.saveDir.empty(),
                 "saveEvery is set but saveDir is empty: say where state files go");
@@ -215,8 +231,16 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   // GradCompression::Auto: DDP starts with the plain allreduce and is switched before
   // its first step, once it has checked that the ranks' models agree and the seed has
   // timed them.
+  if (options_.zero > 0 && options_.ddp.compression == GradCompression::Auto) {
+    options_.ddp.compression = GradCompression::None;  // buckets go to their owners whole
+    HDDP_LOG_SHARED("train", rank, "ZeRO-", options_.zero,
+                    ": gradient compression is off (each bucket is reduced to its owner)");
+  }
   const bool autoCompress = options_.ddp.compression == GradCompression::Auto;
   DdpOptions ddpOptions = options_.ddp;
+  if (options_.zero > 0) {
+    ddpOptions.allocateBucketsLazily = true;  // a rank keeps its own buckets only
+  }
   if (autoCompress) {
     ddpOptions.compression = GradCompression::None;
   }
@@ -233,6 +257,10 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     compressionChosen_ = true;
   }
   compressionName_ = train::compressionName(options_.ddp);
+  memory_ = train::MemoryMeter(device_, emulation);
+  if (options_.zero > 0) {
+    shardOptimizer();
+  }
   if (seeded) {
     predictAllreduce(seed);
   }
@@ -262,7 +290,6 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   lo.sampler.minLocalBatch = std::max(lo.sampler.minLocalBatch, options_.planner.minLocalBatch);
   loader_ = std::make_unique<PrefetchLoader>(std::move(train), rank, lo);
   emulator_ = std::make_unique<Emulator>(emulation, rank);
-  memory_ = train::MemoryMeter(device_, emulation);
   timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
   HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
   // Every collective's wait in a step is waiting, not compute: SyncBatchNorm's in

@@ -98,6 +98,8 @@ class Trainer::Impl {
   std::vector<RankCost> seedCosts(const Dataset& data, const EmulationOptions& emulation);
   /// The allreduce term from the seed's links (predictedAllreduceSeconds_), logged.
   void predictAllreduce(const std::vector<RankCost>& seed);
+  /// TrainerOptions::zero > 0: shards the optimizer (sharded_) by options_.shardBy.
+  void shardOptimizer();
   /// The gradients DDP reduces: the model's parameters with gradients, DDP's buckets.
   GradientLayout gradientLayout() const;
   /// GradCompression::Auto made a choice (options_.ddp) from the seed's slowest link and
@@ -126,6 +128,8 @@ class Trainer::Impl {
   // The launcher's protocol (elastic.h): sample log, progress mark, job record, commits.
   train::ElasticRun elastic_;
   std::unique_ptr<DistributedDataParallel> ddp_;
+  // TrainerOptions::zero > 0: the optimizer cut down to this rank's shard (else null).
+  std::unique_ptr<ShardedOptimizer> sharded_;
   std::unique_ptr<BatchPlanner> planner_;
   std::unique_ptr<GradScaler> scaler_;
   std::unique_ptr<PrefetchLoader> loader_;

@@ -22,6 +22,7 @@ train::StateParts Trainer::Impl::stateParts() {
   parts.adoptCompression = compressionChosen_ ? &options_.ddp.powerSgd : nullptr;
   parts.runId = elastic_.runId();
   parts.folders = &saveFolders_;
+  parts.sharded = sharded_.get();
   return parts;
 }
 

@@ -17,6 +17,7 @@
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/ddp/power_sgd.h"
+#include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/train/state_file.h"
 #include "train/commit_folders.h"
 #include "train/elastic.h"
@@ -294,10 +295,30 @@ void loadModelAndOptimizer(const StateParts& parts, InputArchive& archive,
     for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
       copyInto("buffer." + item.key(), item.value());
     }
-    InputArchive optimizerArchive;
-    readArchive(archive, "optimizer", optimizerArchive, path);
-    parts.optimizer.load(optimizerArchive);
-    moveOptimizerStateToParameters(parts.optimizer);
+    InputArchive zero;
+    const bool sharded = archive.try_read("zero", zero);
+    if (parts.sharded) {
+      HDDP_CHECK_AS(StateError, sharded, "state file ", path,
+                    " holds a whole optimizer (saved without --zero); resume it with --zero 0");
+      at::Tensor count;
+      zero.read("parts", count);
+      std::vector<std::vector<uint8_t>> optimizerParts;
+      for (int64_t r = 0; r < count.item<int64_t>(); ++r) {
+        at::Tensor bytes;
+        zero.read("part" + std::to_string(r), bytes);
+        const auto* data = bytes.data_ptr<uint8_t>();
+        optimizerParts.emplace_back(data, data + bytes.numel());
+      }
+      parts.sharded->loadShards(optimizerParts);
+    } else {
+      HDDP_CHECK_AS(StateError, !sharded, "state file ", path,
+                    " holds an optimizer sharded by ZeRO (saved with --zero 1 or 2); resume "
+                    "it with --zero 1 or 2 (any number of ranks and shares)");
+      InputArchive optimizerArchive;
+      readArchive(archive, "optimizer", optimizerArchive, path);
+      parts.optimizer.load(optimizerArchive);
+      moveOptimizerStateToParameters(parts.optimizer);
+    }
     InputArchive scalerArchive;
     readArchive(archive, "scaler", scalerArchive, path);
     parts.scaler.load(scalerArchive);
@@ -315,6 +336,11 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
                       const DistributedSampler::State& sampler, const std::string& directory,
                       int keepLast) {
   const auto blobs = parts.comm.allgatherBytes(rankBlob(parts));
+  // ZeRO: each rank's part of the optimizer state, for the writers (host bytes).
+  std::vector<std::vector<uint8_t>> optimizerParts;
+  if (parts.sharded) {
+    optimizerParts = parts.comm.allgatherBytes(parts.sharded->saveShard());
+  }
   const std::string path = stateFileName(directory, meta.step);
   // Rank 0 writes, and one rank of each folder it does not share (each rank holds the
   // same parameters, optimizer and shared state; the ranks' own parts were gathered).
@@ -346,9 +372,21 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
       for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
         archive.write("buffer." + item.key(), item.value().detach().cpu());
       }
-      OutputArchive optimizerArchive;
-      parts.optimizer.save(optimizerArchive);
-      archive.write("optimizer", optimizerArchive);
+      if (parts.sharded) {
+        OutputArchive zero;
+        zero.write("parts", at::tensor(static_cast<int64_t>(optimizerParts.size())));
+        for (size_t r = 0; r < optimizerParts.size(); ++r) {
+          auto& bytes = optimizerParts[r];
+          zero.write(
+              "part" + std::to_string(r),
+              at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).clone());
+        }
+        archive.write("zero", zero);
+      } else {
+        OutputArchive optimizerArchive;
+        parts.optimizer.save(optimizerArchive);
+        archive.write("optimizer", optimizerArchive);
+      }
       OutputArchive scalerArchive;
       parts.scaler.save(scalerArchive);
       archive.write("scaler", scalerArchive);

@@ -9,7 +9,11 @@
 //                   budgetStartStep, budgetSteps] (optional: zeros when absent)
 //   model.<name>    every parameter, buffer.<name> every buffer (copied into the
 //                   module on load, so DDP's gradient hooks stay in place)
-//   optimizer       the optimizer's own archive
+//   optimizer       the optimizer's own archive (without ZeRO)
+//   zero            with ZeRO (--zero 1|2), instead of `optimizer`: parts (int64, the
+//                   saving world size) and part<r>, rank r's ShardedOptimizer::saveShard
+//                   bytes (its parameters' state, keyed by parameter index): any world
+//                   size and shares load it
 //   scaler          GradScaler::save
 //   sampler         DistributedSampler::State::save (where the epoch's order stands)
 //   planner         BatchPlanner::save, its shared part (with balancing only)
@@ -45,6 +49,7 @@ class BatchPlanner;
 class Communicator;
 class GradScaler;
 class PowerSgdState;
+class ShardedOptimizer;
 struct PowerSgdOptions;
 struct CompressionSpec;
 enum class GradCompression;
@@ -112,6 +117,10 @@ struct StateParts {
   const PowerSgdOptions* adoptCompression = nullptr;
   /// The launcher's job id (TORCHELASTIC_RUN_ID; empty: none), kept in the file.
   std::string runId;
+  /// ZeRO: the sharded optimizer (null: the optimizer is whole on every rank). The file
+  /// then holds every rank's part instead of one optimizer archive, and a load takes
+  /// this rank's parameters out of all of them (any world size and shares).
+  ShardedOptimizer* sharded = nullptr;
   /// Which ranks share the save folder (commit_folders.h), found at the first save to a
   /// folder and kept here for the next (null: found at each save).
   FolderGroups* folders = nullptr;

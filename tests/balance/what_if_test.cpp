@@ -1,13 +1,16 @@
 // What-if planning (hddp/balance/what_if.h) and the model profile it reads
 // (hddp/train/model_profile.h): a golden case derived by hand, the ring model against
 // its formula, the split equal to the solver's, calibration scaling, precision
-// fallback, profile files, and FLOPs and activation memory counted from real modules.
+// fallback, profile files, FLOPs and activation memory counted from real modules, and
+// ZeRO's shards in the memory model (WhatIfZero).
 #include "hddp/balance/what_if.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <functional>
 #include <map>
 #include <set>
@@ -15,6 +18,7 @@
 
 #include "hddp/balance/cost_model.h"
 #include "hddp/core/error.h"
+#include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/train/model_profile.h"
 #include "resnet.h"
 #include "support/emulated_device.h"
@@ -463,4 +467,273 @@ TEST(WhatIf, AProfileKeepsItsGradientShapes) {
   // A profile without them (saved before they were recorded) still reads.
   EXPECT_TRUE(
       hddp::ModelProfile::fromJson(goldenProfile().toJson(), "p.json").gradientShapes.empty());
+}
+
+namespace {
+
+// An 8 GiB card beside a 24 GiB card, for ZeRO; and a model of 2 GiB of fp32 weights
+// whose Adam state (2 copies, 4 GiB) the small card cannot hold beside its weights and
+// gradients.
+hddp::DeviceTable zeroTable() {
+  return hddp::DeviceTable::parse(R"({
+    "devices": {
+      "small": {"name": "Small", "fp32_tflops": 10, "fp16_tflops": 0, "bf16_tflops": 0,
+                "memory_gib": 8, "memory_GBps": 100, "source": "test"},
+      "large": {"name": "Large", "fp32_tflops": 30, "fp16_tflops": 0, "bf16_tflops": 0,
+                "memory_gib": 24, "memory_GBps": 300, "source": "test"}},
+    "links": {"wide": {"name": "Wide", "GBps": 10, "source": "test"}}})",
+                                  "zero.json");
+}
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+hddp::ModelProfile zeroProfile() {
+  auto p = goldenProfile();
+  p.model = "big";
+  p.parameterBytes = 2.0 * kGiB;
+  p.activationBytesPerSample = 64.0 * (1 << 20);
+  return p;
+}
+
+hddp::WhatIfSettings adamSettings(int zero, const std::string& shardBy) {
+  auto s = goldenSettings();
+  s.globalBatch = 64;
+  s.optimizerStateCopies = 2;  // Adam
+  s.zero = zero;
+  s.shardBy = shardBy;
+  return s;
+}
+
+}  // namespace
+
+// Without ZeRO every device holds the weights, a gradient for each and all the state:
+// the golden case's parts are 1e8 B each (momentum SGD, 1 copy) and 32 MiB a sample. A
+// single device under ZeRO holds all of it too, and its prediction is the plain one.
+TEST(WhatIfZero, WithoutZeroEveryDeviceHoldsAllOfTheModel) {
+  const auto table = goldenTable();
+  const auto r = hddp::predictMix(table.parseMix("fast@wide,slow@narrow"), goldenProfile(),
+                                  goldenSettings(), table);
+  ASSERT_EQ(r.devices.size(), 2u);
+  for (const auto& d : r.devices) {
+    EXPECT_EQ(d.parameterBytes, 1e8);
+    EXPECT_EQ(d.gradientBytes, 1e8);
+    EXPECT_EQ(d.stateBytes, 1e8);
+    EXPECT_EQ(d.activationBytes, 32.0 * (1 << 20) * static_cast<double>(d.local));
+    EXPECT_EQ(d.shareOfState, 1.0);
+    EXPECT_DOUBLE_EQ(d.memoryBytes, 3e8 + d.activationBytes);
+  }
+  for (int zero : {1, 2}) {
+    auto s = goldenSettings();
+    s.globalBatch = 32;
+    s.zero = zero;
+    const auto alone = hddp::predictMix(table.parseMix("slow@wide"), goldenProfile(), s, table);
+    auto plainSettings = goldenSettings();
+    plainSettings.globalBatch = 32;
+    const auto plain =
+        hddp::predictMix(table.parseMix("slow@wide"), goldenProfile(), plainSettings, table);
+    EXPECT_EQ(alone.devices[0].shareOfState, 1.0) << zero;
+    EXPECT_EQ(alone.devices[0].memoryCap, plain.devices[0].memoryCap) << zero;
+    EXPECT_EQ(alone.devices[0].memoryBytes, plain.devices[0].memoryBytes) << zero;
+    EXPECT_EQ(alone.stepSeconds, plain.stepSeconds) << zero;
+  }
+}
+
+// By hand (GiB; budget = total x 0.9 - 0.5 of context; 64 MiB = 1/16 GiB a sample):
+//   plain    fixed 2 + 2 + 4 = 8: the small card's budget 6.7 cannot hold it (cap 0), the
+//            large one's 21.1 holds (21.1 - 8) x 16 = 209.6 -> 209 samples: a global
+//            batch of 230 is a ConfigError
+//   ZeRO-2   by memory, weights = free after the weights: small 8 - 0.5 - 2 = 5.5, large
+//            21.5; shares 5.5/27 and 21.5/27 of the 6 GiB of gradients and state:
+//            small fixed 2 + 6 x 5.5/27 = 3.2222, (6.7 - 3.2222) x 16 = 55.6 -> 55;
+//            large 2 + 6 x 21.5/27 = 6.7778, (21.1 - 6.7778) x 16 = 229.2 -> 229
+//   ZeRO-2   equal: 2 + 3 = 5 each: small (6.7 - 5) x 16 = 27.2 -> 27, large 257.6 -> 257
+//   ZeRO-1   by memory, weights less the gradients too: 3.5 and 19.5 of 23, of the 4 of
+//            state: small 4 + 4 x 3.5/23 = 4.6087, (6.7 - 4.6087) x 16 = 33.5 -> 33
+TEST(WhatIfZero, AdamThatASmallCardCannotHoldFitsItsShard) {
+  const auto table = zeroTable();
+  const auto mix = table.parseMix("small@wide,large@wide");
+  const auto p = zeroProfile();
+
+  const auto plain = hddp::predictMix(mix, p, adamSettings(0, "memory"), table);
+  EXPECT_EQ(plain.devices[0].memoryCap, 0);
+  EXPECT_EQ(plain.devices[1].memoryCap, 209);
+  EXPECT_EQ(plain.plan.local, (std::vector<int64_t>{0, 64}));
+  EXPECT_TRUE(hasAdvice(plain, "the small (8 GiB) cannot hold the model in fp32: 8.00 GiB"))
+      << adviceText(plain);
+
+  const auto zero2 = hddp::predictMix(mix, p, adamSettings(2, "memory"), table);
+  const auto& small = zero2.devices[0];
+  const auto& large = zero2.devices[1];
+  EXPECT_NEAR(small.shareOfState, 5.5 / 27, 1e-12);
+  EXPECT_NEAR(large.shareOfState, 21.5 / 27, 1e-12);
+  EXPECT_EQ(small.parameterBytes, 2 * kGiB) << "the weights stay whole";
+  EXPECT_NEAR(small.gradientBytes, 2 * kGiB * 5.5 / 27, 1);
+  EXPECT_NEAR(small.stateBytes, 4 * kGiB * 5.5 / 27, 1);
+  EXPECT_NEAR(large.stateBytes, 4 * kGiB * 21.5 / 27, 1);
+  EXPECT_LT(small.stateBytes, large.stateBytes);
+  EXPECT_NEAR(small.stateBytes + large.stateBytes, 4 * kGiB, 1) << "the state is held once";
+  EXPECT_EQ(small.memoryCap, 55);
+  EXPECT_EQ(large.memoryCap, 229);
+  // A batch the large card alone cannot hold (209): refused without ZeRO, trained with
+  // the small card's share under ZeRO-2.
+  auto bigBatch = adamSettings(0, "memory");
+  bigBatch.globalBatch = 230;
+  EXPECT_THROW(hddp::predictMix(mix, p, bigBatch, table), hddp::ConfigError);
+  bigBatch.zero = 2;
+  EXPECT_GT(hddp::predictMix(mix, p, bigBatch, table).plan.local[0], 0);
+  EXPECT_DOUBLE_EQ(small.memoryBytes, small.parameterBytes + small.gradientBytes +
+                                          small.stateBytes + small.activationBytes);
+  EXPECT_FALSE(hasAdvice(zero2, "cannot hold the model")) << adviceText(zero2);
+  EXPECT_TRUE(hasAdvice(zero2,
+                        "ZeRO-2 shards the optimizer state and the gradients by memory: the "
+                        "small 20% (1.22 GiB), the large 80% (4.78 GiB); memory caps 55, 229 "
+                        "samples, against 0, 209 without ZeRO"))
+      << adviceText(zero2);
+
+  const auto equal = hddp::predictMix(mix, p, adamSettings(2, "equal"), table);
+  for (const auto& d : equal.devices) {
+    EXPECT_EQ(d.shareOfState, 0.5);
+    EXPECT_EQ(d.stateBytes, 2 * kGiB) << "half of the 4 GiB of Adam state";
+    EXPECT_EQ(d.gradientBytes, 1 * kGiB);
+  }
+  EXPECT_EQ(equal.devices[0].memoryCap, 27);
+  EXPECT_EQ(equal.devices[1].memoryCap, 257);
+
+  const auto zero1 = hddp::predictMix(mix, p, adamSettings(1, "memory"), table);
+  EXPECT_NEAR(zero1.devices[0].shareOfState, 3.5 / 23, 1e-12);
+  EXPECT_EQ(zero1.devices[0].gradientBytes, 2 * kGiB) << "ZeRO-1 keeps every gradient";
+  EXPECT_NEAR(zero1.devices[0].stateBytes, 4 * kGiB * 3.5 / 23, 1);
+  EXPECT_EQ(zero1.devices[0].memoryCap, 33);
+}
+
+// A device's cap follows its shard. By memory, the shards take the same fraction of each
+// card's free memory after the weights (6 GiB of 27 here), so neither card is squeezed
+// more than the other; given ratios on two equal cards, the larger shard leaves room
+// for fewer samples: 24 GiB cards, 1:3 of 6 GiB, budgets 21.1 - 2 - 1.5 = 17.6 GiB ->
+// 281 samples and 21.1 - 2 - 4.5 = 14.6 GiB -> 233 (48 fewer for the 3 GiB more).
+TEST(WhatIfZero, TheLargerShardLeavesRoomForFewerSamples) {
+  const auto table = zeroTable();
+  const auto p = zeroProfile();
+  const auto byMemory = hddp::predictMix(table.parseMix("small@wide,large@wide"), p,
+                                         adamSettings(2, "memory"), table);
+  for (const auto& d : byMemory.devices) {
+    const double freeAfterWeights = d.entry.device.memoryGiB * kGiB - 512.0 * (1 << 20) - 2 * kGiB;
+    EXPECT_NEAR((d.gradientBytes + d.stateBytes) / freeAfterWeights, 6.0 / 27, 1e-12)
+        << d.entry.device.key;
+    // The Trainer's cap rule on its own fixed bytes.
+    const double budget = d.entry.device.memoryGiB * kGiB * 0.9 - 512.0 * (1 << 20);
+    EXPECT_EQ(d.memoryCap, static_cast<int64_t>(std::floor(
+                               (budget - d.parameterBytes - d.gradientBytes - d.stateBytes) /
+                               p.activationBytesPerSample)))
+        << d.entry.device.key;
+  }
+  const auto ratios =
+      hddp::predictMix(table.parseMix("large@wide,large@wide"), p, adamSettings(2, "1:3"), table);
+  EXPECT_EQ(ratios.devices[0].shareOfState, 0.25);
+  EXPECT_EQ(ratios.devices[1].shareOfState, 0.75);
+  EXPECT_EQ(ratios.devices[0].memoryCap, 281);
+  EXPECT_EQ(ratios.devices[1].memoryCap, 233);
+  // Without ZeRO the two equal cards hold the same.
+  const auto plain =
+      hddp::predictMix(table.parseMix("large@wide,large@wide"), p, adamSettings(0, "1:3"), table);
+  EXPECT_EQ(plain.devices[0].memoryCap, plain.devices[1].memoryCap);
+}
+
+// The shard text is the trainers' --shard-by: hddp::parseShardBy (the ddp layer) and
+// what-if accept and refuse the same texts; a bad one is named; ratios must be one per
+// device of the mix; --zero is 0, 1 or 2; and ZeRO with compression is refused as the
+// Trainer refuses it (auto prices none, as the Trainer turns it off).
+TEST(WhatIfZero, BadShardsZeroAndCompressionAreConfigErrors) {
+  const auto table = zeroTable();
+  const auto mix = table.parseMix("small@wide,large@wide");
+  const auto p = zeroProfile();
+  for (const char* text : {"memory", "equal", "1:3", "0:2.5", "1:3:", "", "1:", ":1", "1:x", "0:0",
+                           "-1:2", "Memory", "1:inf", "nan:1"}) {
+    bool ddpAccepts = true;
+    try {
+      hddp::parseShardBy(text);
+    } catch (const hddp::ConfigError&) {
+      ddpAccepts = false;
+    }
+    bool whatIfAccepts = true;
+    try {
+      hddp::stateShares(mix, p, adamSettings(0, text));
+    } catch (const hddp::ConfigError&) {
+      whatIfAccepts = false;
+    }
+    EXPECT_EQ(whatIfAccepts, ddpAccepts) << "'" << text << "'";
+  }
+  auto message = [&](const hddp::WhatIfSettings& s) {
+    try {
+      hddp::predictMix(mix, p, s, table);
+    } catch (const hddp::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(adamSettings(2, "1:x")).find("--shard-by '1:x': 'x' is not a number >= 0"),
+            std::string::npos)
+      << message(adamSettings(2, "1:x"));
+  EXPECT_NE(message(adamSettings(2, "mem")).find("--shard-by 'mem'"), std::string::npos);
+  EXPECT_NE(message(adamSettings(2, "0:0")).find("not all 0"), std::string::npos);
+  EXPECT_NE(message(adamSettings(2, "1:2:3"))
+                .find("--shard-by 1:2:3 gives 3 ratios for 2 devices "
+                      "in the mix; give one per device"),
+            std::string::npos)
+      << message(adamSettings(2, "1:2:3"));
+  EXPECT_NE(message(adamSettings(1, "2")).find("gives 1 ratios for 2 devices"), std::string::npos);
+  EXPECT_NE(message(adamSettings(3, "memory")).find("--zero is 3; give 0"), std::string::npos);
+  EXPECT_NE(message(adamSettings(-1, "memory")).find("--zero is -1"), std::string::npos);
+  auto fp16 = adamSettings(2, "memory");
+  fp16.compression = "fp16";
+  EXPECT_NE(message(fp16).find("cannot be combined with gradient compression (--compress fp16)"),
+            std::string::npos)
+      << message(fp16);
+  fp16.zero = 0;
+  EXPECT_EQ(message(fp16), "no error") << "compression without ZeRO is priced";
+  auto automatic = adamSettings(1, "memory");
+  automatic.compression = "auto";
+  const auto r = hddp::predictMix(mix, p, automatic, table);
+  EXPECT_EQ(r.compression.spec.kind, hddp::CompressionSpec::Kind::None);
+  EXPECT_TRUE(r.compressionCandidates.empty());
+  EXPECT_TRUE(hasAdvice(r, "--compress auto chooses none, as the Trainer does")) << adviceText(r);
+  // No device has room for a shard: the 8 GiB cards' 7.5 GiB left go to 8 GiB of weights.
+  auto huge = p;
+  huge.parameterBytes = 8 * kGiB;
+  try {
+    hddp::stateShares(table.parseMix("small@wide,small@wide"), huge, adamSettings(2, "memory"));
+    FAIL() << "no error";
+  } catch (const hddp::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no device of the mix has memory left for a ZeRO-2 "
+                                         "shard after 8.00 GiB of weights of big"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Without a device, the rest of the mix shares the shards between fewer cards: the large
+// card alone holds all 6 GiB of gradients and state (cap 209, not its shard's 229), so
+// alone it trains B = 220 in two micro-batches, and the advice prices the small card's
+// gain against that.
+TEST(WhatIfZero, TheRestOfTheMixHoldsTheWholeShard) {
+  const auto table = zeroTable();
+  const auto p = zeroProfile();
+  auto s = adamSettings(2, "memory");
+  s.globalBatch = 220;
+  const auto r = hddp::predictMix(table.parseMix("small@wide,large@wide"), p, s, table);
+  ASSERT_EQ(r.devices[1].memoryCap, 229);
+  const auto& large = r.devices[1].cost;
+  const double alone = 220.0 / (2 * large.fixedSeconds + 220 * large.perSampleSeconds());
+  EXPECT_EQ(r.fastest, 1);
+  EXPECT_NEAR(r.fastestAloneSamplesPerSecond, alone, 1e-9);
+  // The small card's fixed 150 ms and the 2 GiB allreduce cost more than it gives.
+  ASSERT_LT(r.samplesPerSecond, alone);
+  char slows[80];
+  std::snprintf(slows, sizeof(slows), "the small on wide slows the rest of the mix by %.0f%%",
+                100.0 * (1.0 - r.samplesPerSecond / alone));
+  EXPECT_TRUE(hasAdvice(r, slows)) << slows << "\n" << adviceText(r);
+  EXPECT_TRUE(hasAdvice(r,
+                        "without the large on wide the other devices' memory cannot hold "
+                        "the global batch"))
+      << adviceText(r);
 }

@@ -77,6 +77,17 @@ TEST_P(Collectives, AllreduceBroadcastAllgatherReduceScatterAcrossDtypesAndSizes
         comm->reduceScatter(out, input).wait();
         auto expected = (base(n * size, torch::kDouble) * sumFactor).narrow(0, rank * n, n);
         EXPECT_TRUE(out.to(torch::kDouble).equal(expected));
+        // Reduce to each rank in turn: the root holds the sum.
+        for (int root = 0; root < size; ++root) {
+          hddp::ReduceOptions ro;
+          ro.root = root;
+          t = rankValues(rank, n, dtype);
+          comm->reduce(t, ro).wait();
+          if (rank == root) {
+            EXPECT_TRUE(t.to(torch::kDouble).equal(base(n, torch::kDouble) * sumFactor))
+                << "reduce to rank " << root;
+          }
+        }
       }
     }
     comm->barrier().wait();

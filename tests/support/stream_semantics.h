@@ -63,6 +63,9 @@ class StreamSemanticsCommunicator final : public Communicator {
     synchronize();
     return inner_->broadcast(tensor, options);
   }
+  Work reduce(at::Tensor& tensor, const ReduceOptions& options) override {
+    return defer(inner_->reduce(tensor, options));
+  }
   Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
                  const AllgatherOptions& options = {}) override {
     synchronize();

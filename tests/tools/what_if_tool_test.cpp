@@ -1,5 +1,6 @@
 // hddp-probe --what-if end to end: a what-if file with its own devices and links, a saved
-// profile, the JSON and SVG outputs; a model counted by name; errors for bad input.
+// profile, the JSON and SVG outputs; ZeRO's shards; a model counted by name; errors for
+// bad input.
 #include <gtest/gtest.h>
 #include <torch/script.h>
 
@@ -54,6 +55,53 @@ TEST(HddpProbeWhatIf, AFileWithItsOwnEntriesAndASavedProfileGiveTheGoldenPredict
   EXPECT_NE(chart.find("<svg"), std::string::npos);
   EXPECT_NE(chart.find("slow @ narrow (61)"), std::string::npos) << chart;
   EXPECT_NE(chart.find("allreduce exposed 48.00 ms"), std::string::npos) << chart;
+  removeDir(dir);
+}
+
+// The golden case under ZeRO-2 with equal shards: each card keeps the 1e8 B of weights,
+// half of the gradients and half of the momentum (5e7 B each), 2e8 B in all against the
+// plain 3e8, so the slow card's cap rises from 61 to (2764.8 - 512 - 190.73 MiB) / 32 MiB
+// = 64.4 -> 64. The JSON and the table carry each card's parts and share.
+TEST(HddpProbeWhatIf, ZeroShardsShowPerCard) {
+  const std::string dir = tempDir();
+  const std::string table = hddp::testing::goldenTableJson();
+  std::ofstream(dir + "/mix.json")
+      << R"({"mix": ["fast@wide", "slow@narrow"],)" << table.substr(table.find('{') + 1);
+  std::ofstream(dir + "/profile.json") << hddp::testing::goldenProfile().toJson();
+  const std::string args = " --what-if " + dir + "/mix.json --profile " + dir +
+                           "/profile.json --efficiency 0.5 --memory-traffic 0 --zero 2";
+  auto r = hddp::testing::runCommand(probe() + args + " --shard-by equal --json 2>&1");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["zero"], 2);
+  EXPECT_EQ(j["shard_by"], "equal");
+  const auto& slow = j["devices"][1];
+  EXPECT_EQ(slow["memory_cap"], 64);
+  EXPECT_EQ(slow["share_of_state"], 0.5);
+  EXPECT_EQ(slow["parameter_bytes"], 1e8);
+  EXPECT_EQ(slow["gradient_bytes"], 5e7);
+  EXPECT_EQ(slow["state_bytes"], 5e7);
+  EXPECT_EQ(slow["activation_bytes"],
+            32.0 * (1 << 20) * static_cast<double>(j["split"][1].get<int64_t>()));
+
+  r = hddp::testing::runCommand(probe() + args + " --shard-by 1:3 2>&1");
+  ASSERT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("ZeRO-2, shards by 1:3 (GiB):"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("  slow             0.09       0.07       0.07"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("75.0%"), std::string::npos) << r.output;
+
+  r = hddp::testing::runCommand(probe() + args + " --shard-by 1:x 2>&1");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("--shard-by '1:x': 'x' is not a number >= 0"), std::string::npos)
+      << r.output;
+  r = hddp::testing::runCommand(probe() + args + " --shard-by 1:2:3 2>&1");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("gives 3 ratios for 2 devices"), std::string::npos) << r.output;
+  r = hddp::testing::runCommand(probe() + args + " --compress fp16 2>&1");
+  EXPECT_NE(r.exitCode, 0);
+  EXPECT_NE(r.output.find("cannot be combined with gradient compression"), std::string::npos)
+      << r.output;
   removeDir(dir);
 }
 

@@ -202,7 +202,12 @@ json toJson(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const What
          {"compute_s", d.computeSeconds},
          {"transfer_s", d.transferSeconds},
          {"step_s", d.stepSeconds},
-         {"memory_bytes", d.memoryBytes}});
+         {"memory_bytes", d.memoryBytes},
+         {"parameter_bytes", d.parameterBytes},
+         {"gradient_bytes", d.gradientBytes},
+         {"state_bytes", d.stateBytes},
+         {"activation_bytes", d.activationBytes},
+         {"share_of_state", d.shareOfState}});
   }
   return {
       {"model", json::parse(p.toJson())},
@@ -210,6 +215,8 @@ json toJson(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const What
       {"efficiency", p.calibratedOn.empty() ? json(o.settings.efficiency) : json(nullptr)},
       {"memory_traffic", p.calibratedOn.empty() ? json(o.settings.memoryTraffic) : json(nullptr)},
       {"uncertainty", p.calibratedOn.empty() ? json(o.settings.uncertainty) : json(nullptr)},
+      {"zero", o.settings.zero},
+      {"shard_by", o.settings.zero > 0 ? json(o.settings.shardBy) : json(nullptr)},
       {"devices", devices},
       {"split", r.plan.local},
       {"compression", compressionJson(r)},
@@ -258,6 +265,17 @@ void printTable(const hddp::WhatIfResult& r, const hddp::ModelProfile& p, const 
                 static_cast<long long>(d.local), capText(d.memoryCap).c_str(),
                 d.computeSeconds * 1e3, d.transferSeconds * 1e3, d.stepSeconds * 1e3,
                 d.memoryBytes / kGiB);
+  }
+  if (o.settings.zero > 0) {
+    // What ZeRO leaves on each card, by part (see the header of hddp/balance/what_if.h).
+    std::printf("  ZeRO-%d, shards by %s (GiB):\n", o.settings.zero, o.settings.shardBy.c_str());
+    std::printf("  %-10s %10s %10s %10s %11s %7s\n", "device", "parameters", "gradients", "state",
+                "activations", "share");
+    for (const auto& d : r.devices) {
+      std::printf("  %-10s %10.2f %10.2f %10.2f %11.2f %6.1f%%\n", d.entry.device.key.c_str(),
+                  d.parameterBytes / kGiB, d.gradientBytes / kGiB, d.stateBytes / kGiB,
+                  d.activationBytes / kGiB, 100.0 * d.shareOfState);
+    }
   }
   if (r.allreduceSeconds > 0 && r.compression.spec.kind == hddp::CompressionSpec::Kind::None) {
     std::printf(
@@ -467,6 +485,18 @@ void addWhatIfOptions(CLI::App& app, WhatIfOptions& w) {
                  "number from 1) or auto";
         }
       })
+      ->capture_default_str()
+      ->group(g);
+  app.add_option("--zero", w.settings.zero,
+                 "ZeRO to plan for, as the trainers' --zero: 0 plain data parallelism, 1 the "
+                 "optimizer state sharded across the cards, 2 the gradients too")
+      ->check(CLI::Range(0, 2))
+      ->capture_default_str()
+      ->group(g);
+  app.add_option("--shard-by", w.settings.shardBy,
+                 "With --zero 1|2, how the shards are sized, as the trainers' --shard-by: memory "
+                 "(each card's free memory after the model), equal, or R0:R1:... (one ratio per "
+                 "card of the mix)")
       ->capture_default_str()
       ->group(g);
   app.add_option("--svg", w.svg, "Also draw each device's time per step as an SVG chart")->group(g);

@@ -24,6 +24,17 @@
 //                      optimizer state); per sample = the profile's measured activation
 //                      bytes; the cap is the Trainer's rule (MemoryEstimator::capFor) with
 //                      the CUDA context counted as others' memory
+//                      With ZeRO (WhatIfSettings::zero, hddp/ddp/sharded_optimizer.h) device
+//                      r holds a share s_r of what is sharded:
+//                        ZeRO-1  fixed_r = parameters + gradients + state x s_r
+//                        ZeRO-2  fixed_r = parameters + (gradients + state) x s_r
+//                      s_r = weight_r / sum of the weights (WhatIfSettings::shardBy): by
+//                      memory, weight_r = the device's memory - contextBytes - parameter
+//                      bytes (ZeRO-1: - gradient bytes too), at least 0, the free memory
+//                      after the model the Trainer measures; equal, 1 each; or the ratios
+//                      given. Shards are taken as exact shares (the library's shards are
+//                      whole tensors, off by at most half a tensor at each end). The cap
+//                      follows per device: a larger shard leaves room for fewer samples.
 //
 // The split is solveSplit()'s on those costs. The gradient allreduce is a ring over the
 // slowest link (ringAllreduceSeconds, the gradients being the fp32 parameters; or at
@@ -34,6 +45,14 @@
 // parameter order are 1 MiB, then 25 MiB each, the remainder last). Step = slowest rank + exposed
 // allreduce. Peers: PyTorch DDP's equal split on the same mix, and the fastest card alone (gradient
 // accumulation when its memory cannot hold the global batch).
+//
+// ZeRO's traffic is priced as the allreduce above: each bucket is reduced to its owner
+// during backward and the owners broadcast the updated parameters after the step, the
+// same bytes as a ring allreduce (reduce-scatter + all-gather). The broadcast follows the
+// optimizer step and so cannot hide behind backward, which this price does not count: it
+// is optimistic for ZeRO on a slow link. ZeRO sends each bucket whole: with zero > 0,
+// fp16, bf16 and PowerSGD compression are a ConfigError (as in TrainerOptions), and auto
+// prices none (the Trainer turns compression off under ZeRO).
 #pragma once
 
 #include <cstdint>
@@ -119,6 +138,15 @@ struct WhatIfSettings {
   /// hddp/balance/compression_model.h, PowerSGD's compute from the table's fp32 peak at
   /// `efficiency` and its memory bandwidth), or auto (each priced, the Trainer's choice).
   std::string compression = "none";
+  /// ZeRO (hddp/ddp/sharded_optimizer.h, the trainers' --zero): 0 plain data parallelism,
+  /// 1 the optimizer state sharded across the devices, 2 the gradients too. Default 0.
+  int zero = 0;
+  /// With zero > 0, how the shards are sized, as the trainers' --shard-by: "memory" (each
+  /// device's free memory after the model; the default), "equal", or one ratio per device
+  /// of the mix, "R0:R1:..." (numbers >= 0, not all 0). Text, not the ddp layer's
+  /// hddp::ShardBy, which is a layer above balance; predictMix parses it (ConfigError
+  /// naming the text).
+  std::string shardBy = "memory";
 };
 
 /// One device of a predicted mix.
@@ -131,7 +159,16 @@ struct WhatIfDevice {
   double computeSeconds = 0.0;   // local x compute per sample
   double transferSeconds = 0.0;  // local x input transfer per sample (hidden or not)
   double stepSeconds = 0.0;      // its predicted time for the step, allreduce apart
-  double memoryBytes = 0.0;      // predicted peak at `local`
+  double memoryBytes = 0.0;      // predicted peak at `local`: the four parts below
+  /// Its memory by part (bytes): the weights (whole on every device), the gradient buffers
+  /// it keeps (all, or its shard under ZeRO-2), its optimizer state (all, or its shard
+  /// under ZeRO), and the activations of `local` samples.
+  double parameterBytes = 0.0;
+  double gradientBytes = 0.0;
+  double stateBytes = 0.0;
+  double activationBytes = 0.0;
+  /// Its share of the optimizer state (0..1; 1 without ZeRO).
+  double shareOfState = 1.0;
 };
 
 struct WhatIfResult {
@@ -155,8 +192,9 @@ struct WhatIfResult {
   std::vector<std::string> advice;
 };
 
-/// The planner's cost of each device of `mix` for `profile`; ConfigError when a
-/// calibration names a device the table lacks.
+/// The planner's cost of each device of `mix` for `profile` (its memory cap under
+/// WhatIfSettings::zero); ConfigError when a calibration names a device the table lacks,
+/// or for a bad zero, shardBy or zero with compression.
 std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelProfile& profile,
                                   const WhatIfSettings& settings, const DeviceTable& table);
 
@@ -168,5 +206,12 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& pr
 /// The peak rate (TFLOPS) `device` runs `amp` at: its fp16 / bf16 tensor rate, or its
 /// fp32 rate when it has no such path (or AMP is off).
 double peakTflopsFor(const DeviceSpec& device, AmpMode amp);
+
+/// Each device's share of the optimizer state under WhatIfSettings::zero and shardBy (all
+/// 1 with zero 0; summing to 1 otherwise). ConfigError for a zero other than 0, 1, 2, a
+/// bad shardBy text, ratios not one per device, or no device with memory left after the
+/// model (shardBy memory).
+std::vector<double> stateShares(const std::vector<MixEntry>& mix, const ModelProfile& profile,
+                                const WhatIfSettings& settings);
 
 }  // namespace hddp

@@ -74,6 +74,11 @@ struct BroadcastOptions : CollectiveOptions {
 
 struct AllgatherOptions : CollectiveOptions {};
 
+struct ReduceOptions : CollectiveOptions {
+  int root = 0;
+  ReduceOp op = ReduceOp::Sum;
+};
+
 struct ReduceScatterOptions : CollectiveOptions {
   ReduceOp op = ReduceOp::Sum;
 };
@@ -112,6 +117,11 @@ class Communicator {
     o.root = root;
     return broadcast(tensor, o);
   }
+  /// Reduces every rank's `tensor` into `options.root`'s `tensor` (same shape/dtype on
+  /// every rank). The other ranks' tensors are left with unspecified contents (the
+  /// backends use them as scratch). The default implementation is an allreduce: the
+  /// same result on the root for twice the bytes; Gloo and NCCL reduce.
+  virtual Work reduce(at::Tensor& tensor, const ReduceOptions& options);
   /// Gathers every rank's `input` into `outputs` (size() tensors of input's shape,
   /// allocated by the caller).
   virtual Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,

@@ -13,6 +13,7 @@
 //   allgather       (n-1) x S / B + (n-1) L            (S: one rank's input)
 //   reduceScatter   (n-1)/n x S / B + (n-1) L          (S: the whole input)
 //   broadcast       S / B + (n-1) L                    (a pipelined chain)
+//   reduce          S / B + (n-1) L                    (a pipelined chain, towards the root)
 //   barrier         2(n-1) L
 // One rank alone sends nothing and waits for nothing.
 #pragma once
@@ -33,7 +34,7 @@ struct LinkEmulation {
   bool active() const { return bytesPerSecond > 0 || latencySeconds > 0; }
 };
 
-enum class CollectiveKind { Allreduce, Allgather, ReduceScatter, Broadcast, Barrier };
+enum class CollectiveKind { Allreduce, Allgather, ReduceScatter, Broadcast, Reduce, Barrier };
 
 /// The emulated seconds of one collective of `bytes` (see the table above) on `ranks`
 /// ranks; 0 for one rank or an inactive link.

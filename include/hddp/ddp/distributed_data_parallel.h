@@ -106,6 +106,11 @@ struct DdpOptions {
   bool gradientAsBucketView = true;
   /// Broadcast parameters and buffers from rank 0 at construction. Default true.
   bool broadcastOnConstruction = true;
+  /// Allocate each bucket's buffer when its first gradient arrives instead of at
+  /// construction. For ZeRO (hddp/ddp/sharded_optimizer.h), whose ranks keep the
+  /// buffers of their own buckets only: set it so that no rank holds a buffer for every
+  /// gradient before the owners are known (the Trainer does). Default false.
+  bool allocateBucketsLazily = false;
   BufferSync bufferSync = BufferSync::WithGradients;
   /// With BufferSync::WithGradients: every this many synchronized steps. Default 1.
   int bufferSyncInterval = 1;
@@ -210,6 +215,21 @@ class DistributedDataParallel {
   /// agree). Every rank must make the same call. ConfigError once a step has begun, when
   /// DdpOptions::commHook is set, or for Auto.
   void setCompression(GradCompression compression, const PowerSgdOptions& powerSgd = {});
+
+  /// The parameters DDP synchronizes, in its order: those that require a gradient, a
+  /// tied tensor once (under its first name). ZeRO's shards are ranges of this list.
+  std::vector<at::Tensor> parameters() const;
+  std::vector<std::string> parameterNames() const;
+
+  /// ZeRO (hddp/ddp/sharded_optimizer.h sets it; rarely called directly): `owners[i]` is
+  /// the rank that steps parameters()[i]. Buckets are rebuilt so that none mixes owners,
+  /// and each is reduced (summed) to its owner instead of allreduced: after backward only
+  /// the owner holds a parameter's summed gradient. The other ranks' gradients of it
+  /// are zeros (`releaseForeign` false: ZeRO stage 1, the buffers stay allocated) or
+  /// undefined (true: stage 2, a foreign bucket's buffer is freed once its reduction
+  /// completed; one is in flight while the next fills during backward). Every rank makes the same
+  /// call, before the first step. ConfigError with a comm hook or compression.
+  void setGradientOwners(std::vector<int> owners, bool releaseForeign);
 
   class Impl;
 

@@ -39,6 +39,7 @@
 #include "hddp/core/step_timer.h"
 #include "hddp/data/loader.h"
 #include "hddp/ddp/distributed_data_parallel.h"
+#include "hddp/ddp/sharded_optimizer.h"
 
 namespace torch {
 namespace nn {
@@ -97,6 +98,14 @@ struct TrainerOptions {
   /// false: start from the equal split. Default true.
   bool seedPlan = true;
   DdpOptions ddp;
+  /// ZeRO (hddp/ddp/sharded_optimizer.h): 0 plain data parallelism (the default), 1 the
+  /// optimizer state is sharded across ranks, 2 the gradients too. SGD, Adam and AdamW
+  /// only; not with gradient compression (ConfigError).
+  int zero = 0;
+  /// With zero > 0: how the shards are sized. Default: by each rank's free device memory
+  /// after the model (on a rank where it cannot be measured, a CPU rank without
+  /// emulated memory, every rank falls back to equal shards and logs it).
+  ShardBy shardBy;
   /// Workers, prefetch depth, drop-last. Its device, seeds and the sampler seed are set
   /// by the Trainer.
   LoaderOptions loader;

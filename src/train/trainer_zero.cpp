@@ -1,0 +1,58 @@
+// Trainer::Impl (train/trainer_impl.h): ZeRO, the optimizer sharded across ranks by
+// TrainerOptions::shardBy (hddp/ddp/sharded_optimizer.h).
+#include <algorithm>
+
+#include "hddp/core/logging.h"
+#include "train/trainer_impl.h"
+
+namespace hddp {
+
+void Trainer::Impl::shardOptimizer() {
+  ShardedOptimizerOptions zero;
+  zero.stage = options_.zero;
+  zero.gatherChunkBytes = options_.ddp.bucketCapBytes;  // what is in flight stays a bucket
+  const int rank = comm_.rank();
+  switch (options_.shardBy.kind) {
+    case ShardBy::Kind::Equal:
+      break;
+    case ShardBy::Kind::Ratios:
+      zero.weights = options_.shardBy.ratios;
+      break;
+    case ShardBy::Kind::Memory: {
+      // What is free now, with the model on the device and before any gradient or
+      // optimizer state: what the shard (and the activations) will live in.
+      const double free = memory_.freeBytes();
+      std::vector<uint8_t> unknown{static_cast<uint8_t>(free < 0 ? 1 : 0)};
+      bool anyUnknown = false;
+      for (const auto& bytes : comm_.allgatherBytes(unknown)) {
+        anyUnknown = anyUnknown || bytes.at(0) != 0;
+      }
+      if (anyUnknown) {
+        HDDP_LOG_SHARED("train", rank,
+                        "ZeRO: a rank's free device memory cannot be measured (a CPU rank): "
+                        "equal shards. Give --shard-by R0:R1:... or emulated memory "
+                        "(--emulate-memory) to size them");
+        break;
+      }
+      // Stage 1 keeps a buffer for every gradient on every rank: that is not free for
+      // the shard either.
+      // And a step's working set is not free for it: about four of the larger of a
+      // bucket and the largest tensor (a bucket being reduced while the next fills, the
+      // optimizer's temporaries, a chunk of the parameters being gathered).
+      double gradientBytes = 0;
+      double largest = static_cast<double>(options_.ddp.bucketCapBytes);
+      for (const auto& p : ddp_->parameters()) {
+        gradientBytes += static_cast<double>(p.nbytes());
+        largest = std::max(largest, static_cast<double>(p.nbytes()));
+      }
+      const double room = free - 4.0 * largest - (options_.zero == 1 ? gradientBytes : 0.0);
+      zero.weights = memoryShardWeights(comm_, std::max(0.0, room));
+      break;
+    }
+  }
+  sharded_ = std::make_unique<ShardedOptimizer>(*ddp_, optimizer_, zero);
+  HDDP_LOG_SHARED("train", rank, "ZeRO-", options_.zero, ", shards by ",
+                  describeShardBy(options_.shardBy), ": ", sharded_->layout().describe());
+}
+
+}  // namespace hddp

@@ -39,13 +39,13 @@ def params_of(width, layers, inputs=64, classes=10):
     return inputs * width + width + layers * (width * width + width) + width * classes + classes
 
 
-def run(args, zero, shard_by, width, steps):
+def run(args, zero, shard_by, width, steps, batch=None, bucket_mib=None):
     cmd = [
         os.path.join(args.build, "tools", "hddp-run", "hddp-run"), "--nproc-per-node", "2", "--",
         os.path.join(args.build, "bench", "zero_memory_bench"), "--zero", str(zero), "--shard-by",
         shard_by, "--width", str(width), "--layers", str(args.layers), "--steps", str(steps),
         "--totals", args.totals, "--unit-mib", str(args.unit_mib), "--bucket-mib",
-        str(args.bucket_mib), "--global-batch", str(args.global_batch)
+        str(bucket_mib or args.bucket_mib), "--global-batch", str(batch or args.global_batch)
     ]
     env = dict(os.environ, HDDP_LOG_LEVEL="warn", HDDP_EMU_DEVICES="2")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -125,6 +125,12 @@ def main():
     ap.add_argument("--start-width", type=int, default=64)
     ap.add_argument("--step", type=int, default=8, help="width resolution")
     ap.add_argument("--timing-steps", type=int, default=60)
+    ap.add_argument("--timing-batch", type=int, default=64,
+                    help="global batch of the timing runs (memory is not the question there)")
+    ap.add_argument("--timing-bucket-mib", type=float, default=25.0,
+                    help="DDP bucket and gather chunk of the timing runs (DDP's default)")
+    ap.add_argument("--timing-width", type=int, default=0,
+                    help="time at this width only, without the memory search")
     ap.add_argument("--rounds", type=int, default=3, help="timing rounds, in turns (median)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
@@ -132,30 +138,35 @@ def main():
     totals = [float(t) * unit for t in args.totals.split(":")]
     t0 = time.time()
     rows = []
-    for name, zero, by in MODES:
-        width = largest_width(args, zero, by)
-        params = params_of(width, args.layers)
-        bound = byte_bound(zero, totals, equal=(by == "equal" or zero == 0))
-        rows.append({"mode": name, "zero": zero, "shard_by": by, "width": width, "params": params,
-                     "byte_bound_params": bound, "of_bound": params / bound})
-        print(f"{name:15s} largest width {width:5d}: {params / 1e6:6.3f} M parameters, "
-              f"{params / bound:5.2f} of the byte count's {bound / 1e6:6.3f} M", flush=True)
-    by_mode = {r["mode"]: r for r in rows}
-    print()
-    for stage in (1, 2):
-        weighted = by_mode[f"ZeRO-{stage} memory"]["params"]
-        equal = by_mode[f"ZeRO-{stage} equal"]["params"]
-        print(f"ZeRO-{stage}: memory-weighted / equal shards = {weighted / equal:.2f}x; "
-              f"/ plain DDP = {weighted / by_mode['plain DDP']['params']:.2f}x")
+    by_mode = {}
+    if not args.timing_width:
+        for name, zero, by in MODES:
+            width = largest_width(args, zero, by)
+            params = params_of(width, args.layers)
+            bound = byte_bound(zero, totals, equal=(by == "equal" or zero == 0))
+            rows.append({"mode": name, "zero": zero, "shard_by": by, "width": width, "params": params,
+                         "byte_bound_params": bound, "of_bound": params / bound})
+            print(f"{name:15s} largest width {width:5d}: {params / 1e6:6.3f} M parameters, "
+                  f"{params / bound:5.2f} of the byte count's {bound / 1e6:6.3f} M", flush=True)
+        by_mode = {r["mode"]: r for r in rows}
+        print()
+        for stage in (1, 2):
+            weighted = by_mode[f"ZeRO-{stage} memory"]["params"]
+            equal = by_mode[f"ZeRO-{stage} equal"]["params"]
+            print(f"ZeRO-{stage}: memory-weighted / equal shards = {weighted / equal:.2f}x; "
+                  f"/ plain DDP = {weighted / by_mode['plain DDP']['params']:.2f}x")
     # Throughput where every mode fits: plain DDP's largest width, halved.
-    width = max(args.step, by_mode["plain DDP"]["width"] // 2 // args.step * args.step)
+    width = args.timing_width or max(args.step,
+                                     by_mode["plain DDP"]["width"] // 2 // args.step * args.step)
     print(f"\nsamples/s at width {width} ({params_of(width, args.layers) / 1e6:.3f} M parameters), "
-          f"{args.timing_steps} steps, median of {args.rounds} rounds in turns, against plain DDP:")
+          f"{args.timing_steps} steps of {args.timing_batch} samples, buckets of "
+          f"{args.timing_bucket_mib} MiB, median of {args.rounds} rounds in turns, against plain DDP:")
     # Rounds in turns, each mode's median: the modes share the machine's noise.
     runs = {name: [] for name, _, _ in MODES}
     for _ in range(args.rounds):
         for name, zero, by in MODES:
-            ok, results = run(args, zero, by, width, args.timing_steps)
+            ok, results = run(args, zero, by, width, args.timing_steps, args.timing_batch,
+                              args.timing_bucket_mib)
             if not ok:
                 sys.exit(f"{name} failed at width {width}, which plain DDP trains")
             runs[name].append(results)

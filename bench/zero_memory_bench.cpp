@@ -62,6 +62,8 @@ int main(int argc, char** argv) {
   std::string totals = "8:24";
   double unitMib = 8;
   double bucketMib = 0.25;
+  bool balance = false;
+  std::string metrics;
   CLI::App app{"ZeRO memory benchmark: one rank (bench/zero_memory.py runs it)"};
   app.add_option("--zero", zero, "0 plain DDP, 1 or 2")->check(CLI::Range(0, 2));
   app.add_option("--shard-by", shardBy, "memory, equal or R0:R1");
@@ -73,6 +75,9 @@ int main(int argc, char** argv) {
   app.add_option("--unit-mib", unitMib, "One unit, MiB")->capture_default_str();
   app.add_option("--bucket-mib", bucketMib, "DDP bucket cap and ZeRO gather chunk, MiB")
       ->capture_default_str();
+  app.add_flag("--balance", balance,
+               "The planner splits the batch (and derives memory caps); default: equal shares");
+  app.add_option("--metrics", metrics, "The Trainer's JSON-lines metrics");
   CLI11_PARSE(app, argc, argv);
   at::set_num_threads(1);
   hddp::emu::install();
@@ -105,7 +110,8 @@ int main(int argc, char** argv) {
   o.globalBatch = globalBatch;
   o.maxSteps = steps;
   o.epochs = 1;
-  o.balance = false;                 // equal batch shares: memory is the question here
+  o.balance = balance;  // default: equal batch shares, memory is the question here
+  o.metricsPath = metrics;
   o.recoverFromOutOfMemory = false;  // out of memory ends the rank (exit 3)
   o.progress = hddp::ProgressMode::Off;
   o.loader.workers = 0;

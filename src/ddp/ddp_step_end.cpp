@@ -302,11 +302,13 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
 
 void DistributedDataParallel::Impl::ensureFlat(Bucket& b) {
   if (!b.flat.defined()) {
-    // Without owners the last bucket carries the step's status too.
+    // Without owners the last bucket carries the step's status too (zeros: read before
+    // the step writes it). Otherwise every element is written before it is read: each
+    // parameter's slice by its gradient, or zeros, when it is marked ready.
     const int64_t status = !sharded() && &b == &buckets_.back() ? 1 : 0;
-    b.flat = at::zeros(
-        {b.elements + status},
-        params_[static_cast<size_t>(b.params.front())].tensor.options().requires_grad(false));
+    const auto options =
+        params_[static_cast<size_t>(b.params.front())].tensor.options().requires_grad(false);
+    b.flat = status ? at::zeros({b.elements + status}, options) : at::empty({b.elements}, options);
   }
 }
 

@@ -2,6 +2,7 @@
 // TrainerOptions::shardBy (hddp/ddp/sharded_optimizer.h).
 #include <algorithm>
 
+#include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "train/trainer_impl.h"
 
@@ -40,13 +41,24 @@ void Trainer::Impl::shardOptimizer() {
       // bucket and the largest tensor (a bucket being reduced while the next fills, the
       // optimizer's temporaries, a chunk of the parameters being gathered).
       double gradientBytes = 0;
-      double largest = static_cast<double>(options_.ddp.bucketCapBytes);
+      double largestTensor = 0;
       for (const auto& p : ddp_->parameters()) {
         gradientBytes += static_cast<double>(p.nbytes());
-        largest = std::max(largest, static_cast<double>(p.nbytes()));
+        largestTensor = std::max(largestTensor, static_cast<double>(p.nbytes()));
       }
-      const double room = free - 4.0 * largest - (options_.zero == 1 ? gradientBytes : 0.0);
-      zero.weights = memoryShardWeights(comm_, std::max(0.0, room));
+      const double bucket =
+          std::min(static_cast<double>(options_.ddp.bucketCapBytes), gradientBytes);
+      const double room =
+          free - 4.0 * std::max(bucket, largestTensor) - (options_.zero == 1 ? gradientBytes : 0.0);
+      try {
+        zero.weights = memoryShardWeights(comm_, std::max(0.0, room));
+      } catch (const ConfigError&) {
+        // No rank has room beyond its working set (the same answer on every rank, from
+        // the same gathered figures): shards by the free memory itself.
+        HDDP_LOG_SHARED("train", rank, "ZeRO: no rank has room for a shard beyond a step's ",
+                        "working set; shards by free memory, which may not fit");
+        zero.weights = memoryShardWeights(comm_, free);
+      }
       break;
     }
   }

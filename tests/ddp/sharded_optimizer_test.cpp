@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <mutex>
 
 #include "hddp/amp/grad_scaler.h"
@@ -393,6 +394,65 @@ TEST(ShardedOptimizer, RefusesOptimizersWhoseUpdateIsNotPerElement) {
     torch::optim::SGD sgd(std::vector<torch::Tensor>{stranger}, torch::optim::SGDOptions(0.1));
     EXPECT_THROW(hddp::ShardedOptimizer(ddp, sgd, {}), hddp::ConfigError);
   });
+}
+
+}  // namespace
+
+namespace {
+
+// Two ranks sharing cuda:0 through Gloo's host staging: ZeRO-2 with parts 1:3 (the
+// reductions to owners, the foreign buffers freed on the device, the broadcast of the
+// updated parameters) equals one-device Adam on the GPU.
+TEST(ShardedOptimizer, TwoRanksSharingAGpuEqualOneDeviceAdam_CUDA) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  const Case c{Opt::Adam, 2};
+  std::vector<torch::Tensor> expected;
+  {
+    Net net = makeNet();
+    net->to(gpu);
+    auto opt = makeOptimizer(c.opt, net->parameters());
+    for (int s = 0; s < 4; ++s) {
+      const Batch b = batchOf(s);
+      opt->zero_grad();
+      torch::cross_entropy_loss(net->forward(b.x.to(gpu)), b.y.to(gpu)).backward();
+      opt->step();
+    }
+    for (auto& p : net->parameters()) {
+      expected.push_back(p.detach().cpu());
+    }
+  }
+  std::vector<double> diffs(2, 1e9);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net net = makeNet();
+    net->to(gpu);
+    hddp::DdpOptions ddpOptions;
+    ddpOptions.bucketCapBytes = 800;
+    hddp::DistributedDataParallel ddp(net, *comm, ddpOptions);
+    auto opt = makeOptimizer(c.opt, net->parameters());
+    hddp::ShardedOptimizerOptions zero;
+    zero.weights = {1.0, 3.0};
+    hddp::ShardedOptimizer sharded(ddp, *opt, zero);
+    for (int s = 0; s < 4; ++s) {
+      const Batch b = batchOf(s);
+      ddp.setBatch(kGlobal / 2, kGlobal);
+      sharded.zeroGrad();
+      torch::cross_entropy_loss(net->forward(b.x.narrow(0, rank * 10, 10).to(gpu)),
+                                b.y.narrow(0, rank * 10, 10).to(gpu))
+          .backward();
+      sharded.step();
+    }
+    std::vector<torch::Tensor> mine;
+    for (auto& p : net->parameters()) {
+      mine.push_back(p.detach().cpu());
+    }
+    diffs[rank] = maxDiff(mine, expected);
+  });
+  EXPECT_LT(diffs[0], 1e-10);
+  EXPECT_LT(diffs[1], 1e-10);
 }
 
 }  // namespace

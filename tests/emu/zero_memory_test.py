@@ -9,19 +9,24 @@ Checks, from each rank's own figures (emu's allocator counts every allocation):
   less than half a copy of the gradients (the buckets in flight): a foreign bucket's
   memory is given back once reduced;
 - ZeRO-1 keeps every gradient: its peak holds parameters and gradients whole;
+- the planner's memory caps: a rank with more state gets a smaller batch cap;
 - a width that plain DDP cannot train on the small card (a rank out of memory ends the
   job, no hang) trains under ZeRO-2 by memory.
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 
-def run(args, zero, shard_by, width):
+def run(args, zero, shard_by, width, extra=(), totals="8:24", steps=3, batch=8):
     cmd = [args.hddp_run, "--nproc-per-node", "2", "--", args.bench, "--zero", str(zero),
-           "--shard-by", shard_by, "--width", str(width), "--layers", "24", "--totals", "8:24",
-           "--unit-mib", "4", "--bucket-mib", "0.0625", "--global-batch", "8", "--steps", "3"]
+           "--shard-by", shard_by, "--width", str(width), "--layers", "24", "--totals", totals,
+           "--unit-mib", "4", "--bucket-mib", "0.0625", "--global-batch", str(batch),
+           "--steps", str(steps)]
+    cmd += list(extra)
     env = {"HDDP_EMU_DEVICES": "2", "HDDP_LOG_LEVEL": "warn", "PATH": "/usr/bin:/bin"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     results = {}
@@ -85,6 +90,21 @@ def main():
     big_z2_p, big_z2 = run(args, 2, "memory", big)
     check(big_z2_p.returncode == 0 and len(big_z2) == 2 and all(r["ok"] for r in big_z2.values()),
           f"ZeRO-2 by memory trains width {big}")
+    # The planner's memory caps come from each rank's measured memory, which holds its
+    # part: on two equal cards, the rank holding 3/4 of the state gets the smaller cap.
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        caps_p, _ = run(args, 2, "1:3", 256, ["--balance", "--metrics", metrics], totals="16:16",
+                        steps=14, batch=64)
+        check(caps_p.returncode == 0, "ZeRO-2 1:3 with the planner on two equal cards trains")
+        last = {}
+        for rank, path in ((0, metrics), (1, os.path.join(tmp, "m.rank1.jsonl"))):
+            steps = [json.loads(l) for l in open(path) if '"kind":"step"' in l.replace(" ", "")]
+            last[rank] = steps[-1] if steps else {}
+        caps = [last[r].get("memory", {}).get("cap_samples", -1) for r in (0, 1)]
+        states = [last[r].get("optimizer_state_bytes", -1) for r in (0, 1)]
+        check(states[1] > 2 * states[0] > 0, f"the metrics carry each rank's state {states}")
+        check(0 < caps[1] < caps[0], f"the rank with more state gets the smaller memory cap {caps}")
     if failures:
         print(plain_p.stderr[-2000:], z2_p.stderr[-2000:], big_z2_p.stderr[-2000:], file=sys.stderr)
         sys.exit(1)

@@ -139,13 +139,15 @@ void DistributedDataParallel::Impl::markReady(int index, bool duringBackward) {
   HDDP_CHECK(!p.ready, "parameter '", p.name, "' received a gradient twice in one step. ",
              "Is it used in two backward passes before the step ended? Use noSync() for "
              "gradient accumulation, and non-reentrant activation checkpointing.");
+  // First the bucket's buffer (a released foreign bucket at ZeRO-2): an allocation that
+  // fails leaves the parameter not ready, so an abandoned step still sends it.
+  ensureFlat(buckets_[static_cast<size_t>(p.bucket)]);
   p.ready = true;
   ++readyCount_;
   if (recordOrder_) {
     readyOrder_.push_back(index);
   }
   holdOver(p);  // no gradient reached it in this step (unused, or a rank without samples)
-  ensureFlat(buckets_[static_cast<size_t>(p.bucket)]);
   at::Tensor view = sliceOf(p);
   at::Tensor& grad = p.tensor.mutable_grad();
   if (grad.defined() && grad.is_sparse()) {

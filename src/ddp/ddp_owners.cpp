@@ -33,6 +33,11 @@ void DistributedDataParallel::Impl::setGradientOwners(std::vector<int> owners,
                   "setGradientOwners: parameter '", params_[i].name, "' is owned by rank ",
                   owners[i], ", not a rank of this ", comm_.size(), "-rank group");
   }
+  for (const auto& p : params_) {
+    HDDP_CHECK_AS(ConfigError, !p.tensor.grad().defined(), "setGradientOwners: parameter '", p.name,
+                  "' holds a gradient (accumulated under noSync()?); set the owners "
+                  "(build the ShardedOptimizer) before any backward, or clear the gradients");
+  }
   HDDP_CHECK_AS(ConfigError, !options_.commHook && options_.compression == GradCompression::None,
                 "setGradientOwners (ZeRO) reduces each bucket to its owner and cannot be combined "
                 "with a communication hook or gradient compression; use one or the other");

@@ -251,20 +251,14 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
     for (int index : b.params) {
       total += params_[index].tensor.numel();
     }
-    const at::Tensor& first = params_[b.params.front()].tensor;
     b.elements = total;
     b.owner = sharded() ? owners_[static_cast<size_t>(b.params.front())] : -1;
-    // The last bucket carries one more element: the step's status (abandonStep); with
-    // gradient owners the status has its own tensor (a foreign bucket may be released).
-    const int64_t status = bi + 1 == assignment.size() && !sharded() ? 1 : 0;
-    if (!(releaseForeign_ && foreign(b)) && !options_.allocateBucketsLazily) {
-      b.flat = at::zeros({total + status}, first.options().requires_grad(false));
-    }
   }
   // Move current gradients into the new buffers: the old buffers go first (a gradient
-  // that is a view keeps its buffer alive), so that a rebuild holds one copy more of the
-  // gradients, not two. With owners, a foreign gradient (zeros, or already released) is
-  // not carried: the next step sends zeros for it as for any cleared gradient.
+  // that is a view keeps its buffer alive) and the new ones are allocated after, so that a
+  // rebuild holds one copy more of the gradients, not two. With owners, a foreign gradient (zeros,
+  // or already released) is not carried: the next step sends zeros for it as for any cleared
+  // gradient.
   std::vector<at::Tensor> oldGrads;
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor& grad = params_[i].tensor.mutable_grad();
@@ -279,9 +273,6 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
         {1}, params_[buckets.front().params.front()].tensor.options().requires_grad(false));
   }
   buckets_ = std::move(buckets);
-  if (status.defined() && !buckets_.empty()) {
-    statusSlot().copy_(status);  // a rebuild after an abandoned step keeps its status
-  }
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     int64_t offset = 0;
     for (int index : buckets_[bi].params) {
@@ -289,6 +280,23 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<int>& order) 
       params_[index].offset = offset;
       offset += params_[index].tensor.numel();
     }
+  }
+  // The buffers, once the old ones are gone. Lazily (allocateBucketsLazily) only until
+  // the owners are known: then a rank's own buckets, and at stage 1 every bucket, are
+  // held from here on, so that backward allocates no bucket it keeps (an allocation that
+  // fails in a gradient hook would leave the step half sent). A foreign bucket at stage 2
+  // is allocated when its first gradient arrives and freed once reduced.
+  for (auto& b : buckets_) {
+    const bool released = releaseForeign_ && foreign(b);
+    if (!released && (sharded() || !options_.allocateBucketsLazily)) {
+      ensureFlat(b);
+      if (!sharded() && &b == &buckets_.back()) {
+        statusSlot().zero_();
+      }
+    }
+  }
+  if (status.defined() && !buckets_.empty()) {
+    statusSlot().copy_(status);  // a rebuild after an abandoned step keeps its status
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     if (oldGrads[i].defined()) {

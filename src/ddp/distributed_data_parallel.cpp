@@ -68,9 +68,9 @@ void DistributedDataParallel::setCompression(GradCompression compression,
   HDDP_CHECK_AS(ConfigError, d.step_ == 0 && !d.stepActive_,
                 "setCompression: the compression is set before the first step, and ", d.step_,
                 " steps have run");
-  HDDP_CHECK_AS(ConfigError, !d.sharded() || compression == GradCompression::None,
+  HDDP_CHECK_AS(ConfigError, !d.sharded(),
                 "setCompression: gradient owners are set (ZeRO); buckets are reduced to their "
-                "owners and cannot be compressed");
+                "owners and cannot be compressed or sent another way");
   const DdpOptions before = d.options_;
   d.options_.compression = compression;
   d.options_.powerSgd = powerSgd;

@@ -48,9 +48,10 @@ OptimizerKind kindOf(torch::optim::Optimizer& optimizer) {
     return OptimizerKind::Adam;
   }
   HDDP_THROW(ConfigError,
-             "ShardedOptimizer (ZeRO) shards optimizers whose update is per element: "
-             "torch::optim::SGD, Adam and AdamW. This optimizer is none of them (LBFGS, "
-             "RMSprop, Adagrad or your own); train it without --zero / ShardedOptimizer");
+             "ShardedOptimizer (ZeRO) shards torch::optim::SGD, Adam and AdamW, whose update is "
+             "per element and whose state it saves and loads per parameter. This optimizer is "
+             "none of them (LBFGS, RMSprop, Adagrad or your own); train it without --zero / "
+             "ShardedOptimizer");
 }
 
 std::unique_ptr<torch::optim::OptimizerParamState> newState(OptimizerKind kind) {
@@ -80,7 +81,7 @@ int64_t stateTensorBytes(const torch::optim::OptimizerParamState& state) {
   return 0;
 }
 
-// Moves a loaded state's tensors to the parameter's device and dtype of storage.
+// Moves a loaded state's tensors to the parameter's device.
 void moveState(torch::optim::OptimizerParamState& state, const at::Tensor& param) {
   auto to = [&](const at::Tensor& t) { return t.defined() ? t.to(param.device()) : t; };
   if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(&state)) {
@@ -237,20 +238,21 @@ std::string describeShardBy(const ShardBy& by) {
 }
 
 std::vector<double> memoryShardWeights(Communicator& communicator, double freeBytes) {
-  HDDP_CHECK_AS(ConfigError, std::isfinite(freeBytes), "memoryShardWeights: free bytes ", freeBytes,
-                " on rank ", communicator.rank(), " is not a number");
+  // Gathered first and checked after, on every rank alike: a check before the
+  // collective would fail one rank while the others wait in it.
   std::vector<uint8_t> mine(sizeof(double));
-  const double clamped = std::max(0.0, freeBytes);
-  std::memcpy(mine.data(), &clamped, sizeof(double));
+  std::memcpy(mine.data(), &freeBytes, sizeof(double));
   const auto all = communicator.allgatherBytes(mine);
   std::vector<double> weights;
   double sum = 0;
-  for (const auto& bytes : all) {
-    HDDP_INTERNAL_ASSERT(bytes.size() == sizeof(double), "a rank's free bytes are not a double");
+  for (size_t r = 0; r < all.size(); ++r) {
+    HDDP_INTERNAL_ASSERT(all[r].size() == sizeof(double), "a rank's free bytes are not a double");
     double v = 0;
-    std::memcpy(&v, bytes.data(), sizeof(double));
-    weights.push_back(v);
-    sum += v;
+    std::memcpy(&v, all[r].data(), sizeof(double));
+    HDDP_CHECK_AS(ConfigError, std::isfinite(v), "memoryShardWeights: rank ", r,
+                  " reports free bytes ", v, ", not a number");
+    weights.push_back(std::max(0.0, v));
+    sum += weights.back();
   }
   HDDP_CHECK_AS(ConfigError, sum > 0,
                 "sharding by memory: no rank reports free device memory after the model. Give "
@@ -285,8 +287,10 @@ class ShardedOptimizer::Impl {
     for (size_t i = 0; i < params_.size(); ++i) {
       numels.push_back(params_[i].numel());
       index.emplace(params_[i].unsafeGetTensorImpl(), static_cast<int>(i));
+      byName_.emplace(names_[i], static_cast<int>(i));
     }
     layout_ = shardLayout(numels, weights);
+    checkRanksAgree();
     const int rank = comm_.rank();
     // Cut the optimizer down to this rank's shard; state of other parameters goes.
     for (auto& group : optimizer_.param_groups()) {
@@ -313,6 +317,28 @@ class ShardedOptimizer::Impl {
   // (no copy); smaller ones travel together through a buffer of up to a chunk. The
   // broadcasts are launched back to back and waited for at the end (a round trip per
   // chunk would serialise them), with at most two chunk buffers held at a time.
+  // Every rank must shard alike (the same stage, owners and gather chunks), or the
+  // reductions and broadcasts would not match: the settings are compared across ranks,
+  // and a difference is a ConfigError on every rank.
+  void checkRanksAgree() {
+    std::ostringstream digest;
+    digest << "stage " << options_.stage << ", gather chunk " << options_.gatherChunkBytes
+           << " bytes, optimizer " << kindName(kind_) << ", owners";
+    for (int r = 0; r < layout_.ranks(); ++r) {
+      digest << " " << layout_.begin[r] << "-" << layout_.end[r];
+    }
+    const std::string mine = digest.str();
+    const auto all = comm_.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
+    const std::string first(all[0].begin(), all[0].end());
+    for (size_t r = 1; r < all.size(); ++r) {
+      const std::string theirs(all[r].begin(), all[r].end());
+      HDDP_CHECK_AS(ConfigError, theirs == first,
+                    "ShardedOptimizer: the ranks do not shard alike: rank 0 has ", first, "; rank ",
+                    r, " has ", theirs,
+                    ". Give every rank the same --zero, --shard-by and bucket size");
+    }
+  }
+
   void gatherParameters() {
     if (comm_.size() == 1) {
       return;
@@ -449,6 +475,13 @@ class ShardedOptimizer::Impl {
     }
     archive.write("parameters", at::tensor(indices, at::kLong));
     archive.write("numels", at::tensor(numels, at::kLong));
+    std::string names;
+    for (int64_t i : indices) {
+      names += names_[static_cast<size_t>(i)] + "\n";
+    }
+    archive.write(
+        "names",
+        at::from_blob(names.data(), {static_cast<int64_t>(names.size())}, at::kByte).clone());
     std::ostringstream out;
     archive.save_to(out);
     const std::string s = out.str();
@@ -476,8 +509,28 @@ class ShardedOptimizer::Impl {
       at::Tensor numels;
       archive.read("parameters", indices);
       archive.read("numels", numels);
+      // By name: a parameter frozen or unfrozen since the save shifts the indices.
+      at::Tensor nameBytes;
+      archive.read("names", nameBytes);
+      std::vector<std::string> savedNames;
+      {
+        const auto* data = nameBytes.data_ptr<uint8_t>();
+        std::stringstream in(std::string(data, data + nameBytes.numel()));
+        std::string line;
+        while (std::getline(in, line)) {
+          savedNames.push_back(line);
+        }
+      }
+      HDDP_CHECK_AS(StateError, static_cast<int64_t>(savedNames.size()) == indices.numel(),
+                    "optimizer state part ", part, " names ", savedNames.size(), " parameters for ",
+                    indices.numel(), " states");
       for (int64_t k = 0; k < indices.numel(); ++k) {
-        const int64_t i = indices[k].item<int64_t>();
+        const std::string& name = savedNames[static_cast<size_t>(k)];
+        const auto found = byName_.find(name);
+        HDDP_CHECK_AS(StateError, found != byName_.end(), "optimizer state part ", part,
+                      " holds the state of '", name,
+                      "', which this model does not train (renamed, or frozen now)");
+        const int64_t i = found->second;
         HDDP_CHECK_AS(StateError, i >= 0 && i < static_cast<int64_t>(params_.size()),
                       "optimizer state part ", part, " holds parameter ", i, "; this model has ",
                       params_.size(), " trainable parameters");
@@ -489,7 +542,7 @@ class ShardedOptimizer::Impl {
           continue;
         }
         torch::serialize::InputArchive one;
-        archive.read("p" + std::to_string(i), one);
+        archive.read("p" + std::to_string(indices[k].item<int64_t>()), one);
         auto state = newState(kind_);
         state->serialize(one);
         moveState(*state, params_[i]);
@@ -505,6 +558,7 @@ class ShardedOptimizer::Impl {
   OptimizerKind kind_ = OptimizerKind::Sgd;
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
+  std::unordered_map<std::string, int> byName_;
   ShardLayout layout_;
 };
 

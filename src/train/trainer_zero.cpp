@@ -1,6 +1,8 @@
 // Trainer::Impl (train/trainer_impl.h): ZeRO, the optimizer sharded across ranks by
 // TrainerOptions::shardBy (hddp/ddp/sharded_optimizer.h).
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -23,22 +25,9 @@ void Trainer::Impl::shardOptimizer() {
       // What is free now, with the model on the device and before any gradient or
       // optimizer state: what the shard (and the activations) will live in.
       const double free = memory_.freeBytes();
-      std::vector<uint8_t> unknown{static_cast<uint8_t>(free < 0 ? 1 : 0)};
-      bool anyUnknown = false;
-      for (const auto& bytes : comm_.allgatherBytes(unknown)) {
-        anyUnknown = anyUnknown || bytes.at(0) != 0;
-      }
-      if (anyUnknown) {
-        HDDP_LOG_SHARED("train", rank,
-                        "ZeRO: a rank's free device memory cannot be measured (a CPU rank): "
-                        "equal shards. Give --shard-by R0:R1:... or emulated memory "
-                        "(--emulate-memory) to size them");
-        break;
-      }
       // Stage 1 keeps a buffer for every gradient on every rank: that is not free for
-      // the shard either.
-      // And a step's working set is not free for it: about four of the larger of a
-      // bucket and the largest tensor (a bucket being reduced while the next fills, the
+      // the shard. Nor is a step's working set: about four of the larger of a bucket
+      // and the largest tensor (a bucket being reduced while the next fills, the
       // optimizer's temporaries, a chunk of the parameters being gathered).
       double gradientBytes = 0;
       double largestTensor = 0;
@@ -50,14 +39,39 @@ void Trainer::Impl::shardOptimizer() {
           std::min(static_cast<double>(options_.ddp.bucketCapBytes), gradientBytes);
       const double room =
           free - 4.0 * std::max(bucket, largestTensor) - (options_.zero == 1 ? gradientBytes : 0.0);
-      try {
-        zero.weights = memoryShardWeights(comm_, std::max(0.0, room));
-      } catch (const ConfigError&) {
-        // No rank has room beyond its working set (the same answer on every rank, from
-        // the same gathered figures): shards by the free memory itself.
+      // One exchange of (free, room) and every rank decides alike from the same figures.
+      std::vector<uint8_t> mine(2 * sizeof(double));
+      std::memcpy(mine.data(), &free, sizeof(double));
+      std::memcpy(mine.data() + sizeof(double), &room, sizeof(double));
+      std::vector<double> frees;
+      std::vector<double> rooms;
+      bool unknown = false;
+      double roomSum = 0;
+      double freeSum = 0;
+      for (const auto& bytes : comm_.allgatherBytes(mine)) {
+        double f = 0;
+        double r = 0;
+        std::memcpy(&f, bytes.data(), sizeof(double));
+        std::memcpy(&r, bytes.data() + sizeof(double), sizeof(double));
+        unknown = unknown || !(f >= 0) || !std::isfinite(f);
+        frees.push_back(std::isfinite(f) ? std::max(0.0, f) : 0.0);
+        rooms.push_back(std::isfinite(r) ? std::max(0.0, r) : 0.0);
+        freeSum += frees.back();
+        roomSum += rooms.back();
+      }
+      if (unknown || freeSum <= 0) {
+        HDDP_LOG_SHARED("train", rank,
+                        "ZeRO: a rank's free device memory cannot be measured (a CPU rank): "
+                        "equal shards. Give --shard-by R0:R1:... or emulated memory "
+                        "(--emulate-memory) to size them");
+        break;
+      }
+      if (roomSum <= 0) {
         HDDP_LOG_SHARED("train", rank, "ZeRO: no rank has room for a shard beyond a step's ",
                         "working set; shards by free memory, which may not fit");
-        zero.weights = memoryShardWeights(comm_, free);
+        zero.weights = frees;
+      } else {
+        zero.weights = rooms;
       }
       break;
     }

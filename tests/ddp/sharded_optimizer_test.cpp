@@ -456,3 +456,45 @@ TEST(ShardedOptimizer, TwoRanksSharingAGpuEqualOneDeviceAdam_CUDA) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(ShardedOptimizer, RanksThatShardDifferentlyAreAConfigErrorOnEveryRank) {
+  std::vector<int> refused(2, 0);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net net = makeNet();
+    hddp::DistributedDataParallel ddp(net, *comm);
+    torch::optim::Adam adam(net->parameters());
+    hddp::ShardedOptimizerOptions zero;
+    zero.weights = rank == 0 ? std::vector<double>{1, 3} : std::vector<double>{3, 1};
+    try {
+      hddp::ShardedOptimizer sharded(ddp, adam, zero);
+    } catch (const hddp::ConfigError& e) {
+      refused[rank] = std::string(e.what()).find("do not shard alike") != std::string::npos;
+    }
+  });
+  EXPECT_EQ(refused, (std::vector<int>{1, 1}));
+}
+
+TEST(ShardedOptimizer, OwnersAfterABackwardOrACompressionAfterOwnersAreRefused) {
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    Net net = makeNet();
+    hddp::DistributedDataParallel ddp(net, *comm);
+    {
+      auto guard = ddp.noSync();  // gradients accumulated before the owners are set
+      const Batch b = batchOf(0);
+      ddp.setBatch(kGlobal, kGlobal);
+      torch::cross_entropy_loss(net->forward(b.x), b.y).backward();
+    }
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    EXPECT_THROW(hddp::ShardedOptimizer(ddp, sgd, {}), hddp::ConfigError);
+    net->zero_grad();
+    hddp::ShardedOptimizer sharded(ddp, sgd, {});
+    EXPECT_THROW(ddp.setCompression(hddp::GradCompression::None), hddp::ConfigError);
+    EXPECT_THROW(ddp.setCompression(hddp::GradCompression::Bf16), hddp::ConfigError);
+  });
+}
+
+}  // namespace

@@ -95,7 +95,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         metrics = os.path.join(tmp, "m.jsonl")
         caps_p, _ = run(args, 2, "1:3", 256, ["--balance", "--metrics", metrics], totals="16:16",
-                        steps=14, batch=64)
+                        steps=14, batch=512)
         check(caps_p.returncode == 0, "ZeRO-2 1:3 with the planner on two equal cards trains")
         last = {}
         for rank, path in ((0, metrics), (1, os.path.join(tmp, "m.rank1.jsonl"))):

@@ -130,8 +130,10 @@ int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer);
 class ShardedOptimizer {
  public:
   /// Cuts `optimizer` down to this rank's shard and sets DDP's gradient owners. Call
-  /// before the first step, on every rank, with the same options. The optimizer must
-  /// hold only parameters DDP synchronizes (ConfigError naming one otherwise).
+  /// before any backward, on every rank, with the same options: the ranks compare their
+  /// stage, owners and gather chunk (one allgather) and all throw a ConfigError when
+  /// they differ. The optimizer must hold only parameters DDP synchronizes (ConfigError
+  /// otherwise).
   ShardedOptimizer(DistributedDataParallel& ddp, torch::optim::Optimizer& optimizer,
                    ShardedOptimizerOptions options = {});
   ~ShardedOptimizer();
@@ -159,8 +161,8 @@ class ShardedOptimizer {
   /// Bytes of optimizer state this rank holds now.
   int64_t stateBytes() const;
 
-  /// This rank's optimizer state, keyed by parameter index and shape: one part of a
-  /// state file. Host bytes.
+  /// This rank's optimizer state, keyed by parameter name (and index) with each
+  /// parameter's size: one part of a state file. Host bytes.
   std::vector<uint8_t> saveShard() const;
   /// Takes this rank's parameters' state out of every part saved by saveShard() (by any
   /// number of ranks with any layout: N parts into this layout). A parameter that no

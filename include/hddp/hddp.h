@@ -40,6 +40,7 @@
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
 #include "hddp/train/model_profile.h"
+#include "hddp/train/state_dict.h"
 #include "hddp/train/state_file.h"
 #include "hddp/train/timeline.h"
 #include "hddp/train/trainer.h"

@@ -14,6 +14,10 @@
 //   worker same-params A B      exits 0 when the parameter files A and B (elastic-train's
 //                               final.pt) agree to rtol 1e-4, atol 1e-5; prints the
 //                               largest difference
+//   worker state-dict-copy IN OUT
+//                               reads the state dict IN (torch.save's .pt or .safetensors)
+//                               and writes it to OUT (format by extension); prints
+//                               "copied N tensors"
 //   worker cascade DIR          rank 1 writes its pid to DIR/pid, leaves a child that
 //                               holds its output open and kills itself (SIGKILL); rank 0 exits with
 //                               code 1 as soon as rank 1 has ended (as a peer that loses its
@@ -87,6 +91,13 @@ void printListening() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "allreduce";
+  if (mode == "state-dict-copy" && argc > 3) {
+    const auto tensors = hddp::readStateDict(argv[2]);
+    std::vector<std::pair<std::string, at::Tensor>> ordered(tensors.begin(), tensors.end());
+    hddp::writeStateDict(ordered, argv[3]);
+    std::printf("copied %zu tensors\n", ordered.size());
+    return 0;
+  }
   if (mode == "same-params" && argc > 3) {
     std::vector<at::Tensor> a, b;
     torch::load(a, argv[2]);

@@ -1,0 +1,294 @@
+// State dicts Python reads and writes (hddp/train/state_dict.h): LibTorch's pickle
+// format and safetensors.
+#include "hddp/train/state_dict.h"
+
+#include <fcntl.h>
+#include <torch/nn/module.h>
+#include <torch/serialize.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "hddp/core/error.h"
+
+namespace hddp {
+
+namespace {
+
+bool endsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+bool isSafetensors(const std::string& path) { return endsWith(path, ".safetensors"); }
+
+// safetensors' dtype names.
+const std::vector<std::pair<std::string, at::ScalarType>>& dtypeNames() {
+  static const std::vector<std::pair<std::string, at::ScalarType>> names = {
+      {"F64", at::kDouble}, {"F32", at::kFloat}, {"F16", at::kHalf},  {"BF16", at::kBFloat16},
+      {"I64", at::kLong},   {"I32", at::kInt},   {"I16", at::kShort}, {"I8", at::kChar},
+      {"U8", at::kByte},    {"BOOL", at::kBool}};
+  return names;
+}
+
+std::string dtypeName(at::ScalarType t, const std::string& key) {
+  for (const auto& [name, type] : dtypeNames()) {
+    if (type == t) {
+      return name;
+    }
+  }
+  HDDP_THROW(ConfigError, "state dict: '", key, "' is of dtype ", t,
+             ", which safetensors has no name for here; save it as .pt");
+}
+
+void writeFile(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  HDDP_CHECK(fd >= 0, "cannot write ", tmp, ": ", std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      HDDP_THROW(Error, "writing ", tmp, ": ", why);
+    }
+    done += static_cast<size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  HDDP_CHECK(synced && std::rename(tmp.c_str(), path.c_str()) == 0, "cannot write ", path, ": ",
+             std::strerror(errno));
+}
+
+std::string readFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  HDDP_CHECK_AS(StateError, in.good(), "cannot open state dict ", path, ": ", std::strerror(errno));
+  std::ostringstream out;
+  out << in.rdbuf();
+  return out.str();
+}
+
+std::string safetensorsBytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  nlohmann::ordered_json header;
+  header["__metadata__"] = {{"format", "pt"}};
+  int64_t offset = 0;
+  std::vector<at::Tensor> data;
+  for (const auto& [key, tensor] : tensors) {
+    at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
+    const auto bytes = static_cast<int64_t>(t.nbytes());
+    header[key] = {{"dtype", dtypeName(t.scalar_type(), key)},
+                   {"shape", t.sizes().vec()},
+                   {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    data.push_back(t);
+  }
+  std::string json = header.dump();
+  while (json.size() % 8 != 0) {
+    json += ' ';  // the data starts 8-byte aligned, as the reference writer pads it
+  }
+  std::string out(8, '\0');
+  const uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) {
+    out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  }
+  out += json;
+  out.reserve(out.size() + static_cast<size_t>(offset));
+  for (const auto& t : data) {
+    out.append(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  }
+  return out;
+}
+
+std::map<std::string, at::Tensor> fromSafetensors(const std::string& bytes,
+                                                  const std::string& path) {
+  HDDP_CHECK_AS(StateError, bytes.size() >= 8, "state dict ", path,
+                " is too short to be a safetensors file (", bytes.size(), " bytes)");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) {
+    n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[static_cast<size_t>(i)]))
+         << (8 * i);
+  }
+  HDDP_CHECK_AS(StateError, n <= bytes.size() - 8, "state dict ", path, ": its header claims ", n,
+                " bytes, the file has ", bytes.size() - 8, " after the length");
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.substr(8, n));
+  } catch (const std::exception& e) {
+    HDDP_THROW(StateError, "state dict ", path, ": the safetensors header is not JSON: ", e.what());
+  }
+  const size_t dataStart = 8 + n;
+  const size_t dataSize = bytes.size() - dataStart;
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [key, entry] : header.items()) {
+    if (key == "__metadata__") {
+      continue;
+    }
+    try {
+      const std::string dtype = entry.at("dtype").get<std::string>();
+      at::ScalarType type = at::kFloat;
+      bool known = false;
+      for (const auto& [name, t] : dtypeNames()) {
+        if (name == dtype) {
+          type = t;
+          known = true;
+        }
+      }
+      HDDP_CHECK_AS(StateError, known, "state dict ", path, ": '", key, "' has dtype ", dtype,
+                    ", which hddp does not read");
+      const auto shape = entry.at("shape").get<std::vector<int64_t>>();
+      const auto range = entry.at("data_offsets").get<std::vector<uint64_t>>();
+      HDDP_CHECK_AS(StateError, range.size() == 2 && range[0] <= range[1] && range[1] <= dataSize,
+                    "state dict ", path, ": '", key, "' lies outside the file's data");
+      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
+      HDDP_CHECK_AS(StateError, static_cast<uint64_t>(t.nbytes()) == range[1] - range[0],
+                    "state dict ", path, ": '", key, "' of shape ", t.sizes(), " and dtype ", dtype,
+                    " needs ", t.nbytes(), " bytes, the file gives it ", range[1] - range[0]);
+      std::memcpy(t.data_ptr(), bytes.data() + dataStart + range[0], t.nbytes());
+      out.emplace(key, t);
+    } catch (const nlohmann::json::exception& e) {
+      HDDP_THROW(StateError, "state dict ", path, ": the entry of '", key,
+                 "' is malformed: ", e.what());
+    }
+  }
+  return out;
+}
+
+std::map<std::string, at::Tensor> fromPickle(const std::string& bytes, const std::string& path) {
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  } catch (const c10::Error& e) {
+    HDDP_THROW(StateError, "state dict ", path,
+               " is not a file torch.save or hddp wrote: ", e.what_without_backtrace());
+  }
+  HDDP_CHECK_AS(StateError, value.isGenericDict(), "state dict ", path, " holds a ",
+                value.tagKind(), ", not a dict of tensors (save model.state_dict())");
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : value.toGenericDict()) {
+    HDDP_CHECK_AS(StateError, item.key().isString() && item.value().isTensor(), "state dict ", path,
+                  " holds a ", item.key().tagKind(), " -> ", item.value().tagKind(),
+                  " entry; a state dict maps names to tensors");
+    out.emplace(item.key().toStringRef(), item.value().toTensor());
+  }
+  return out;
+}
+
+std::string listed(const std::vector<std::string>& keys) {
+  std::ostringstream os;
+  for (size_t i = 0; i < keys.size() && i < 8; ++i) {
+    os << (i ? ", " : "") << "'" << keys[i] << "'";
+  }
+  if (keys.size() > 8) {
+    os << ", ... (" << keys.size() << " in all)";
+  }
+  return os.str();
+}
+
+bool skipped(const std::string& key, const std::vector<std::string>& prefixes) {
+  for (const auto& p : prefixes) {
+    if (key.rfind(p, 0) == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, at::Tensor>> stateDictOf(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value().detach().to(at::kCPU));
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    out.emplace_back(item.key(), item.value().detach().to(at::kCPU));
+  }
+  return out;
+}
+
+void writeStateDict(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                    const std::string& path) {
+  if (isSafetensors(path)) {
+    writeFile(path, safetensorsBytes(tensors));
+    return;
+  }
+  c10::Dict<std::string, at::Tensor> dict;
+  for (const auto& [key, tensor] : tensors) {
+    dict.insert(key, tensor.detach().to(at::kCPU).contiguous());
+  }
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
+  writeFile(path, std::string(bytes.begin(), bytes.end()));
+}
+
+std::map<std::string, at::Tensor> readStateDict(const std::string& path) {
+  const std::string bytes = readFile(path);
+  return isSafetensors(path) ? fromSafetensors(bytes, path) : fromPickle(bytes, path);
+}
+
+void saveStateDict(const torch::nn::Module& module, const std::string& path) {
+  writeStateDict(stateDictOf(module), path);
+}
+
+LoadStateDictResult loadStateDict(torch::nn::Module& module, const std::string& path,
+                                  const LoadStateDictOptions& options) {
+  const auto file = readStateDict(path);
+  std::vector<std::pair<std::string, at::Tensor>> targets;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    targets.emplace_back(item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    targets.emplace_back(item.key(), item.value());
+  }
+  LoadStateDictResult result;
+  std::vector<std::string> misShaped;
+  std::set<std::string> known;
+  for (const auto& [key, target] : targets) {
+    known.insert(key);
+    if (skipped(key, options.skipPrefixes)) {
+      continue;
+    }
+    const auto found = file.find(key);
+    if (found == file.end()) {
+      result.missing.push_back(key);
+    } else if (found->second.sizes() != target.sizes()) {
+      misShaped.push_back(
+          c10::str(key, " (file ", found->second.sizes(), ", model ", target.sizes(), ")"));
+    }
+  }
+  for (const auto& [key, tensor] : file) {
+    if (!known.count(key) && !skipped(key, options.skipPrefixes)) {
+      result.unexpected.push_back(key);
+    }
+  }
+  HDDP_CHECK_AS(StateError, misShaped.empty(), "state dict ", path,
+                " does not fit this model: mis-shaped ", listed(misShaped));
+  HDDP_CHECK_AS(StateError,
+                !options.strict || (result.missing.empty() && result.unexpected.empty()),
+                "state dict ", path, " does not fit this model:",
+                result.missing.empty() ? "" : " missing " + listed(result.missing) + ";",
+                result.unexpected.empty() ? "" : " unexpected " + listed(result.unexpected) + ";",
+                " load with strict = false, or leave keys out with skipPrefixes (--init-skip)");
+  at::NoGradGuard noGrad;
+  for (auto& [key, target] : targets) {
+    const auto found = file.find(key);
+    if (skipped(key, options.skipPrefixes) || found == file.end()) {
+      continue;
+    }
+    target.copy_(found->second.to(target.device(), target.scalar_type()));
+    result.loaded.push_back(key);
+  }
+  return result;
+}
+
+}  // namespace hddp

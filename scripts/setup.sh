@@ -10,6 +10,7 @@ set -euo pipefail
 TORCH_VERSION=${HDDP_TORCH_VERSION:-2.11.0}
 MATPLOTLIB_VERSION=3.9.2
 PYYAML_VERSION=6.0.3
+SAFETENSORS_VERSION=0.8.0
 VENV=${HDDP_VENV:-/opt/hddp-venv}
 APT_PACKAGES=(build-essential cmake ninja-build ccache git python3 python3-venv
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev
@@ -52,5 +53,10 @@ fi
 if ! "$VENV/bin/python" -c "import yaml" 2>/dev/null; then
   log "installing pyyaml==$PYYAML_VERSION into $VENV (the PyTorchJob manifest's tests)"
   $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "pyyaml==$PYYAML_VERSION" >&2
+fi
+# safetensors for the state-dict checks against Python (tests/train/state_dict_python_test.py).
+if ! "$VENV/bin/python" -c "import safetensors" 2>/dev/null; then
+  log "installing safetensors==$SAFETENSORS_VERSION into $VENV (the state-dict checks)"
+  $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "safetensors==$SAFETENSORS_VERSION" >&2
 fi
 echo "$VENV/bin/python"

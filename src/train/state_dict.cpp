@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <torch/nn/module.h>
-#include <torch/serialize.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,6 +15,7 @@
 #include <sstream>
 
 #include "hddp/core/error.h"
+#include "train/torch_pickle.h"
 
 namespace hddp {
 
@@ -165,21 +165,9 @@ std::map<std::string, at::Tensor> fromSafetensors(const std::string& bytes,
 }
 
 std::map<std::string, at::Tensor> fromPickle(const std::string& bytes, const std::string& path) {
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
-  } catch (const c10::Error& e) {
-    HDDP_THROW(StateError, "state dict ", path,
-               " is not a file torch.save or hddp wrote: ", e.what_without_backtrace());
-  }
-  HDDP_CHECK_AS(StateError, value.isGenericDict(), "state dict ", path, " holds a ",
-                value.tagKind(), ", not a dict of tensors (save model.state_dict())");
   std::map<std::string, at::Tensor> out;
-  for (const auto& item : value.toGenericDict()) {
-    HDDP_CHECK_AS(StateError, item.key().isString() && item.value().isTensor(), "state dict ", path,
-                  " holds a ", item.key().tagKind(), " -> ", item.value().tagKind(),
-                  " entry; a state dict maps names to tensors");
-    out.emplace(item.key().toStringRef(), item.value().toTensor());
+  for (auto& [key, tensor] : train::torchLoadBytes(bytes, path)) {
+    out.emplace(key, tensor);
   }
   return out;
 }
@@ -223,12 +211,7 @@ void writeStateDict(const std::vector<std::pair<std::string, at::Tensor>>& tenso
     writeFile(path, safetensorsBytes(tensors));
     return;
   }
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [key, tensor] : tensors) {
-    dict.insert(key, tensor.detach().to(at::kCPU).contiguous());
-  }
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
-  writeFile(path, std::string(bytes.begin(), bytes.end()));
+  writeFile(path, train::torchSaveBytes(tensors));
 }
 
 std::map<std::string, at::Tensor> readStateDict(const std::string& path) {

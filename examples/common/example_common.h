@@ -59,10 +59,10 @@ struct CommonFlags {
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
   double emulateLinkLatencyUs = 0;
-  std::string compress = "none";  // none, fp16, bf16, powersgd[:RANK], auto
-  int zero = 0;                     // ZeRO stage: 0, 1, 2
-  std::string shardBy = "memory";   // memory, equal, R0:R1:...
-  int64_t compressStart = 0;      // 0: 10% of the planned steps
+  std::string compress = "none";   // none, fp16, bf16, powersgd[:RANK], auto
+  int zero = 0;                    // ZeRO stage: 0, 1, 2
+  std::string shardBy = "memory";  // memory, equal, R0:R1:...
+  int64_t compressStart = 0;       // 0: 10% of the planned steps
   std::string emulateMemoryCap;
   std::string emulateMemory;
   std::string maxLocalBatch;

@@ -41,8 +41,8 @@ struct StepReport {
   std::vector<int64_t> plan;
   std::vector<int64_t> newPlan;  // empty: the plan did not change
   double planExchangeSeconds = 0;
-  MemoryReading memory;    // valid: measured
-  int64_t memoryCap = -1;  // this rank's cap in the plan (-1: none)
+  MemoryReading memory;              // valid: measured
+  int64_t memoryCap = -1;            // this rank's cap in the plan (-1: none)
   int64_t optimizerStateBytes = -1;  // this rank's optimizer state (-1: not known)
 };
 

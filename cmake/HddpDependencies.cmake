@@ -105,6 +105,16 @@ else()
   set(HDDP_STB_TARGET hddp_dep_stb)
 endif()
 find_package(ZLIB QUIET)
+# protobuf-lite and protoc (TensorBoard's event files, private to libhddp). Without them
+# hddp still builds and a TensorBoard folder is refused with what to install.
+find_package(Protobuf QUIET)
+if(Protobuf_FOUND AND Protobuf_PROTOC_EXECUTABLE AND TARGET protobuf::libprotobuf-lite)
+  set(HDDP_TENSORBOARD_ENABLED ON)
+else()
+  set(HDDP_TENSORBOARD_ENABLED OFF)
+  message(WARNING "protobuf not found: hddp will not write TensorBoard event files "
+                  "(apt-get install libprotobuf-dev protobuf-compiler)")
+endif()
 
 if(HDDP_BUILD_TESTS)
   if(HDDP_DEVICE_DEPS AND EXISTS "${HDDP_DEVICE_DEPS}/googletest/CMakeLists.txt")

@@ -3,6 +3,7 @@
 #include <torch/nn/functional.h>
 #include <torch/nn/init.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/pooling.h>
 
 #include "hddp/checkpoint/checkpoint.h"
@@ -63,6 +64,63 @@ struct BlockImpl : nn::Module {
   nn::Sequential shortcut{nullptr};
 };
 TORCH_MODULE(Block);
+
+// torchvision's BasicBlock and Bottleneck (ResNet v1.5: the stride on the 3x3 conv),
+// with its names: conv1, bn1, conv2, bn2[, conv3, bn3][, downsample.0, downsample.1].
+struct TorchvisionBlockImpl : nn::Module {
+  TorchvisionBlockImpl(int64_t in, int64_t width, int64_t stride, bool bottleneck, bool sync) {
+    const int64_t out = bottleneck ? width * 4 : width;
+    if (bottleneck) {
+      conv1 = register_module("conv1", conv(in, width, 1, 1));
+      bn1 = norm("bn1", width, sync);
+      conv2 = register_module("conv2", conv(width, width, 3, stride));
+      bn2 = norm("bn2", width, sync);
+      conv3 = register_module("conv3", conv(width, out, 1, 1));
+      bn3 = norm("bn3", out, sync);
+    } else {
+      conv1 = register_module("conv1", conv(in, width, 3, stride));
+      bn1 = norm("bn1", width, sync);
+      conv2 = register_module("conv2", conv(width, out, 3, 1));
+      bn2 = norm("bn2", out, sync);
+    }
+    if (stride != 1 || in != out) {
+      nn::Sequential ds;
+      ds->push_back(conv(in, out, 1, stride));
+      addNorm(ds, out, sync);
+      downsample = register_module("downsample", ds);
+    }
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto y = torch::relu(bn1.forward(conv1->forward(x)));
+    y = bn2.forward(conv2->forward(y));
+    if (conv3) {
+      y = bn3.forward(conv3->forward(torch::relu(y)));
+    }
+    return torch::relu(y + (downsample ? downsample->forward(x) : x));
+  }
+  nn::AnyModule norm(const std::string& name, int64_t channels, bool sync) {
+    nn::AnyModule m =
+        sync ? nn::AnyModule(SyncBatchNorm(channels)) : nn::AnyModule(nn::BatchNorm2d(channels));
+    register_module(name, m.ptr());
+    return m;
+  }
+  nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
+  nn::AnyModule bn1, bn2, bn3;
+  nn::Sequential downsample{nullptr};
+};
+TORCH_MODULE(TorchvisionBlock);
+
+// Runs block `b` of `stage`, recomputed in backward (hddp::checkpoint).
+template <typename BlockImplT>
+torch::Tensor checkpointedBlock(nn::Sequential& stage, size_t b, torch::Tensor x) {
+  auto block = stage->ptr(b);
+  auto* impl = stage[b]->as<BlockImplT>();
+  return checkpoint(
+      [impl](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{impl->forward(in[0])};
+      },
+      {x}, block->parameters())[0];
+}
 
 // x + body(x), two 3x3 conv-norm-ReLU layers (the residual of ResNet-9).
 struct ResidualImpl : nn::Module {
@@ -125,24 +183,38 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     widths = {64, 128, 256, 512};
     bottleneck = o.arch == "resnet50";
   }
-  nn::Sequential stem;
   const bool small = cifar || o.imageSize <= 64;
-  stem->push_back(conv(o.inChannels, stemWidth, small ? 3 : 7, small ? 1 : 2));
-  addNorm(stem, stemWidth, o.syncBatchNorm);
-  stem->push_back(nn::ReLU(true));
-  if (!small) {
-    stem->push_back(nn::MaxPool2d(nn::MaxPool2dOptions(3).stride(2).padding(1)));
+  const int64_t stemKernel = small ? 3 : 7;
+  const int64_t stemStride = small ? 1 : 2;
+  torchvision_ = !cifar;
+  if (torchvision_) {
+    // torchvision's names: conv1, bn1, layer1..layer4, fc.
+    conv1_ = register_module("conv1", conv(o.inChannels, stemWidth, stemKernel, stemStride));
+    bn1_ = o.syncBatchNorm ? nn::AnyModule(SyncBatchNorm(stemWidth))
+                           : nn::AnyModule(nn::BatchNorm2d(stemWidth));
+    register_module("bn1", bn1_.ptr());
+    stemMaxPool_ = !small;
+  } else {
+    nn::Sequential stem;
+    stem->push_back(conv(o.inChannels, stemWidth, stemKernel, stemStride));
+    addNorm(stem, stemWidth, o.syncBatchNorm);
+    stem->push_back(nn::ReLU(true));
+    stages_.push_back(register_module("stem", stem));
   }
-  stages_.push_back(register_module("stem", stem));
   int64_t in = stemWidth;
   for (size_t s = 0; s < blocks.size(); ++s) {
     nn::Sequential stage;
     for (int64_t b = 0; b < blocks[s]; ++b) {
       const int64_t stride = (b == 0 && s > 0) ? 2 : 1;
-      stage->push_back(Block(in, widths[s], stride, bottleneck, o.syncBatchNorm));
+      if (torchvision_) {
+        stage->push_back(TorchvisionBlock(in, widths[s], stride, bottleneck, o.syncBatchNorm));
+      } else {
+        stage->push_back(Block(in, widths[s], stride, bottleneck, o.syncBatchNorm));
+      }
       in = bottleneck ? widths[s] * 4 : widths[s];
     }
-    stages_.push_back(register_module("stage" + std::to_string(s + 1), stage));
+    stages_.push_back(
+        register_module((torchvision_ ? "layer" : "stage") + std::to_string(s + 1), stage));
   }
   fc_ = register_module("fc", nn::Linear(in, o.numClasses));
   initConvs();
@@ -182,8 +254,16 @@ void ResNetImpl::initConvs() {
 }
 
 torch::Tensor ResNetImpl::forward(torch::Tensor x) {
+  if (torchvision_) {
+    x = torch::relu(bn1_.forward(conv1_->forward(x)));
+    if (stemMaxPool_) {
+      x = torch::max_pool2d(x, {3, 3}, {2, 2}, {1, 1});
+    }
+  }
+  const bool checkpointing = checkpoint_ && is_training();
   for (size_t s = 0; s < stages_.size(); ++s) {
-    if (!checkpoint_ || !is_training() || s == 0) {
+    const bool stem = !torchvision_ && s == 0;
+    if (!checkpointing || stem) {
       x = stages_[s]->forward(x);
       continue;
     }
@@ -197,13 +277,8 @@ torch::Tensor ResNetImpl::forward(torch::Tensor x) {
       continue;
     }
     for (size_t b = 0; b < stages_[s]->size(); ++b) {
-      auto block = stages_[s]->ptr(b);
-      auto* impl = stages_[s][b]->as<BlockImpl>();
-      x = checkpoint(
-          [impl](const std::vector<torch::Tensor>& in) {
-            return std::vector<torch::Tensor>{impl->forward(in[0])};
-          },
-          {x}, block->parameters())[0];
+      x = torchvision_ ? checkpointedBlock<TorchvisionBlockImpl>(stages_[s], b, x)
+                       : checkpointedBlock<BlockImpl>(stages_[s], b, x);
     }
   }
   x = (maxPoolHead_ ? std::get<0>(torch::adaptive_max_pool2d(x, {1, 1}))

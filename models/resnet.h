@@ -5,10 +5,19 @@
 //   ImageNet-style: ResNet-18/34 (basic blocks), ResNet-50 (bottlenecks); with a CIFAR
 //   stem (3x3 conv, no max-pool) for inputs of 64 px or less, the ImageNet stem
 //   (7x7/2 conv + max-pool) otherwise.
+// Names. ResNet-18/34/50 have torchvision's structure and parameter names (conv1, bn1,
+// layer1.0.conv1, layer2.0.downsample.0, fc; v1.5 bottlenecks with the stride on the
+// 3x3 conv), so with the ImageNet stem a state dict loads both ways between them and
+// torchvision.models.resnet18/34/50(num_classes=...) (hddp/train/state_dict.h). With
+// the CIFAR stem only conv1's shape differs (3x3 against 7x7).
+// ResNet-20/32/56 and ResNet-9 keep their own names: stem.0 (conv), stem.1 (norm),
+// stageN.i.body.K (a block's conv/norm layers in order), stageN.i.shortcut.{0,1}, fc;
+// ResNet-9's residuals are stageN.2.body.K.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/linear.h>
@@ -37,7 +46,7 @@ class ResNetImpl : public torch::nn::Module {
  public:
   explicit ResNetImpl(const ResNetOptions& options);
   torch::Tensor forward(torch::Tensor x);
-  /// The network as stages (stem, stages..., head), for activation checkpointing.
+  /// The residual stages (layer1..4, or stem and stage1..N), for activation checkpointing.
   const std::vector<torch::nn::Sequential>& stages() const { return stages_; }
 
  private:
@@ -47,6 +56,10 @@ class ResNetImpl : public torch::nn::Module {
   std::vector<torch::nn::Sequential> stages_;
   bool checkpoint_ = false;
   bool maxPoolHead_ = false;
+  bool torchvision_ = false;  // ResNet-18/34/50: torchvision's names and stem
+  bool stemMaxPool_ = false;
+  torch::nn::Conv2d conv1_{nullptr};
+  torch::nn::AnyModule bn1_;
   torch::nn::Linear fc_{nullptr};
 };
 TORCH_MODULE(ResNet);

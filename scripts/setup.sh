@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what hddp needs on Debian 12, only what is missing (idempotent):
 #   - Debian packages: compilers and tools, spdlog, fmt, CLI11, nlohmann-json, stb, zlib,
-#     GoogleTest, ccache, Ninja, Fashion-MNIST, Slurm and MUNGE (the engines test);
+#     GoogleTest, protobuf (TensorBoard's event files), ccache, Ninja, Fashion-MNIST, Slurm and MUNGE (the engines test);
 #   - the torch wheel (LibTorch, pinned to the GPU machine's 2.11.0) in a virtual
 #     environment outside the repository, $HDDP_VENV (default /opt/hddp-venv).
 # Prints the Python to use. Safe to run again; does nothing when all is there.
@@ -11,10 +11,12 @@ TORCH_VERSION=${HDDP_TORCH_VERSION:-2.11.0}
 MATPLOTLIB_VERSION=3.9.2
 PYYAML_VERSION=6.0.3
 SAFETENSORS_VERSION=0.8.0
+TORCHVISION_VERSION=0.26.0  # the release that goes with torch 2.11.0
+TENSORBOARD_VERSION=2.21.0
 VENV=${HDDP_VENV:-/opt/hddp-venv}
 APT_PACKAGES=(build-essential cmake ninja-build ccache git python3 python3-venv
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev
-  libgtest-dev dataset-fashion-mnist slurmctld slurmd slurm-client munge)
+  libgtest-dev libprotobuf-dev protobuf-compiler dataset-fashion-mnist slurmctld slurmd slurm-client munge)
 
 log() { echo "setup: $*" >&2; }
 
@@ -58,5 +60,15 @@ fi
 if ! "$VENV/bin/python" -c "import safetensors" 2>/dev/null; then
   log "installing safetensors==$SAFETENSORS_VERSION into $VENV (the state-dict checks)"
   $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "safetensors==$SAFETENSORS_VERSION" >&2
+fi
+# torchvision for the checks that hddp's ResNets load into torchvision's and back.
+if ! "$VENV/bin/python" -c "import torchvision" 2>/dev/null; then
+  log "installing torchvision==$TORCHVISION_VERSION into $VENV (the ResNet checks against torchvision)"
+  $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "torchvision==$TORCHVISION_VERSION" "torch==$TORCH_VERSION" >&2
+fi
+# tensorboard's event reader for the check of --tensorboard's files.
+if ! "$VENV/bin/python" -c "import tensorboard" 2>/dev/null; then
+  log "installing tensorboard==$TENSORBOARD_VERSION into $VENV (the TensorBoard read-back check)"
+  $SUDO "$VENV/bin/pip" install -q --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION" >&2
 fi
 echo "$VENV/bin/python"

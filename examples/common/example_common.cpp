@@ -86,6 +86,18 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
       ->capture_default_str();
   app.add_option("--resume", f.resume,
                  "Resume from a state file, or the newest valid one in a directory");
+  app.add_option("--export", f.exportPath,
+                 "After training, write the model's state dict here for Python: FILE.pt "
+                 "(torch.load(f, weights_only=True)) or FILE.safetensors");
+  auto* initFrom =
+      app.add_option("--init-from", f.initFrom,
+                     "Start from this state dict (.pt from torch.save(model.state_dict(), f), or "
+                     ".safetensors), e.g. torchvision's weights for --model resnet18/34/50");
+  app.add_option("--init-skip", f.initSkip,
+                 "With --init-from: leave out the keys starting with PREFIX (repeatable), e.g. "
+                 "fc. for a new classifier head")
+      ->needs(initFrom)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--eval-every", f.evalEvery, "Evaluate every N epochs (the last always)")
       ->check(cli::positive())
       ->capture_default_str();
@@ -99,6 +111,8 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--metrics", f.metrics,
                  "JSON-lines metrics file (rank r > 0 writes NAME.rank<r>.EXT)");
   app.add_option("--timeline", f.timeline, "Chrome-trace / Perfetto timeline of every rank");
+  app.add_option("--tensorboard", f.tensorboard,
+                 "TensorBoard event files into this folder (rank 0; tensorboard --logdir DIR)");
   app.add_flag("!--no-balance", f.balance,
                "Equal split of the global batch (PyTorch DDP) instead of the planner's");
   app.add_option("--compress", f.compress,
@@ -361,6 +375,7 @@ TrainerOptions trainerOptions(const CommonFlags& f, const DistributedContext& ct
   o.loader.depth = f.prefetch;
   o.metricsPath = f.metrics;
   o.timelinePath = f.timeline;
+  o.tensorboard = f.tensorboard;
   o.logEvery = f.logEvery;
   o.progress = f.progress == "off"     ? ProgressMode::Off
                : f.progress == "lines" ? ProgressMode::Lines

@@ -19,6 +19,9 @@ class App;
 }  // namespace CLI
 
 namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
 namespace optim {
 class Optimizer;
 }  // namespace optim
@@ -50,11 +53,15 @@ struct CommonFlags {
   std::string saveDir;
   int64_t saveEvery = 0;
   std::string resume;
+  std::string exportPath;             // --export: the model's state dict after training
+  std::string initFrom;               // --init-from: a state dict to start from
+  std::vector<std::string> initSkip;  // --init-skip: key prefixes left out of it
   int64_t evalEvery = 1;
   int64_t evalBatch = 256;
   int threads = 0;
   std::string metrics;
   std::string timeline;
+  std::string tensorboard;
   bool balance = true;  // --no-balance: the equal split
   std::string emulateSlowdown;
   std::string emulateLinkGbps;
@@ -142,6 +149,20 @@ bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch);
 /// and at the end of a run that --max-steps stops inside an epoch.
 void installEvaluation(Trainer& trainer, const CommonFlags& flags,
                        std::function<std::map<std::string, double>()> evaluate);
+
+/// --init-from / --init-skip: loads the state dict file into `model` (every key but the
+/// skipped prefixes must match by name and shape, as PyTorch's strict=True) and logs
+/// what was loaded and left out. Does nothing without --init-from. Call it on every rank
+/// before the Trainer (a --resume'd state file, when there is one, replaces it).
+void initModelFrom(torch::nn::Module& model, const CommonFlags& flags);
+
+/// --export: fails fast (hddp::ConfigError) when the file cannot be written, before
+/// any training; call it right after parsing.
+void checkExportPath(const CommonFlags& flags);
+
+/// --export: rank 0 writes the model's state dict (.safetensors, else torch.save's .pt,
+/// by extension) after training; the other ranks do nothing.
+void exportModel(const torch::nn::Module& model, const CommonFlags& flags, int rank);
 
 /// Runs `body`, turning hddp errors into a message on stderr naming the problem and
 /// an exit status (2 for configuration or data errors, 1 otherwise).

@@ -191,6 +191,7 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
 
+  ex::checkExportPath(flags);
   auto ctx = ex::initRank(flags);
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);  // identical initial weights on every rank (DDP checks)
@@ -209,6 +210,7 @@ int run(int argc, char** argv) {
   if (syncBn) {
     hddp::convertSyncBatchNorm(*net, *ctx.communicator);
   }
+  ex::initModelFrom(*net, flags);
   net->to(ctx.device);
   auto optimizer = ex::makeOptimizer(net->parameters(), flags);
   auto options = ex::trainerOptions(flags, ctx, d.train->size());
@@ -247,6 +249,7 @@ int run(int argc, char** argv) {
     return metrics;
   });
   auto summary = trainer.fit();
+  ex::exportModel(*net, flags, ctx.rank());
   if (ctx.rank() == 0) {
     auto acc = summary.lastEvaluation.find("test_acc");
     if (acc != summary.lastEvaluation.end()) {

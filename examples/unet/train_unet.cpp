@@ -89,6 +89,7 @@ int run(int argc, char** argv) {
                 imageSize, " is not a multiple of 2^depth = ", int64_t{1} << depth,
                 "; pick a size divisible by it or a smaller --depth");
 
+  ex::checkExportPath(flags);
   auto ctx = ex::initRank(flags);
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);
@@ -138,6 +139,7 @@ int run(int argc, char** argv) {
   mo.batchNorm = !noBatchNorm;
   mo.checkpointActivations = flags.checkpointActivations;
   hddp::models::UNet net(mo);
+  ex::initModelFrom(*net, flags);
   net->to(ctx.device);
   auto optimizer = ex::makeOptimizer(net->parameters(), flags);
   auto options = ex::trainerOptions(flags, ctx, train->size());
@@ -191,6 +193,7 @@ int run(int argc, char** argv) {
             {"dice", counted ? dice / counted : 0.0}};
   });
   auto summary = trainer.fit();
+  ex::exportModel(*net, flags, ctx.rank());
   if (ctx.rank() == 0 && summary.lastEvaluation.count("mean_iou")) {
     const auto& e = summary.lastEvaluation;
     std::fprintf(

@@ -17,6 +17,14 @@ namespace protocol {
 constexpr int kReformExitCode = 75;
 
 // ---- the environment of a rank ------------------------------------------------------
+/// "hddp-run" in every rank hddp-run starts: the launch is hddp-run's, though it uses
+/// torchrun's variables (comm/launch.h reports Launcher::HddpRun, not torchrun).
+constexpr const char* kEnvLauncher = "HDDP_LAUNCHER";
+constexpr const char* kLauncherHddpRun = "hddp-run";
+/// "1" when hddp-run starts each line of the rank's stderr with "[rank N] " (else "0":
+/// --no-prefix, or rank 0's terminal): hddp's log lines then leave the rank out of their
+/// own prefix, so that it appears once.
+constexpr const char* kEnvRankPrefixed = "HDDP_RANK_PREFIXED";
 /// "1" in an elastic job (hddp-run --nproc-per-node MIN:MAX).
 constexpr const char* kEnvElastic = "HDDP_ELASTIC";
 /// The rank's slot: its local device, stable across generations.

@@ -15,14 +15,26 @@
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/memory_model.h"
 #include "hddp/core/error.h"
+#include "what_if_memory.h"
 
 namespace hddp {
+
+// The memory rules, split out into what_if_memory.cpp.
+using what_if_detail::checkZero;
+using what_if_detail::footprint;
+using what_if_detail::Footprint;
+using what_if_detail::kGiB;
+using what_if_detail::kMiB;
+using what_if_detail::kNoCap;
+using what_if_detail::memoryFit;
+using what_if_detail::parseShardRule;
+using what_if_detail::setCaps;
+using what_if_detail::ShardRule;
+using what_if_detail::sharesFor;
+
 namespace {
 
 using json = nlohmann::json;
-constexpr int64_t kNoCap = std::numeric_limits<int64_t>::max();
-constexpr double kMiB = 1024.0 * 1024.0;
-constexpr double kGiB = 1024.0 * kMiB;
 std::string format(const char* fmt, double a, double b = 0, double c = 0, double d = 0) {
   char buf[256];
   std::snprintf(buf, sizeof(buf), fmt, a, b, c, d);
@@ -134,136 +146,7 @@ double aloneSamplesPerSecond(const RankCost& c, int64_t globalBatch) {
   return static_cast<double>(globalBatch) / seconds;
 }
 
-// What a device holds whatever its batch, with `share` of what ZeRO shards: the weights
-// whole, the gradients (sharded under ZeRO-2) and the optimizer state (under ZeRO-1 and 2).
-// The gradients are the fp32 parameters' bytes, as the plain rule counts them.
-struct Footprint {
-  double parameters = 0.0;
-  double gradients = 0.0;
-  double state = 0.0;
-  double fixed() const { return parameters + gradients + state; }
-};
-
-Footprint footprint(const ModelProfile& p, const WhatIfSettings& s, double share) {
-  Footprint f;
-  f.parameters = p.parameterBytes;
-  f.gradients = p.parameterBytes * (s.zero >= 2 ? share : 1.0);
-  f.state = p.parameterBytes * s.optimizerStateCopies * (s.zero >= 1 ? share : 1.0);
-  return f;
-}
-
-MemoryEstimator::Fit memoryFit(const DeviceSpec& d, const ModelProfile& p, const WhatIfSettings& s,
-                               double share) {
-  MemoryEstimator::Fit fit;
-  fit.steps = 1;
-  fit.fixedBytes = footprint(p, s, share).fixed();
-  fit.perSampleBytes = p.activationBytesPerSample;
-  fit.totalBytes = d.memoryGiB * kGiB;
-  fit.otherBytes = s.contextBytes;
-  return fit;
-}
-
 const char* precisionName(AmpMode amp) { return amp == AmpMode::Off ? "fp32" : ampModeName(amp); }
-
-// WhatIfSettings::shardBy, parsed: the text the trainers' --shard-by takes, with the
-// messages of hddp::parseShardBy (the ddp layer, above this one; the tests hold the two to
-// the same answers).
-struct ShardRule {
-  enum class Kind { Memory, Equal, Ratios };
-  Kind kind = Kind::Memory;
-  std::vector<double> ratios;
-};
-
-ShardRule parseShardRule(const std::string& text) {
-  ShardRule rule;
-  if (text == "memory") {
-    return rule;
-  }
-  if (text == "equal") {
-    rule.kind = ShardRule::Kind::Equal;
-    return rule;
-  }
-  rule.kind = ShardRule::Kind::Ratios;
-  std::stringstream in(text);
-  std::string item;
-  double sum = 0;
-  while (std::getline(in, item, ':')) {
-    char* end = nullptr;
-    const double v = std::strtod(item.c_str(), &end);
-    HDDP_CHECK_AS(ConfigError,
-                  !item.empty() && end != nullptr && *end == '\0' && std::isfinite(v) && v >= 0,
-                  "what-if: --shard-by '", text, "': '", item,
-                  "' is not a number >= 0. Give memory, equal, or one ratio per device of the "
-                  "mix (1:3)");
-    rule.ratios.push_back(v);
-    sum += v;
-  }
-  HDDP_CHECK_AS(ConfigError, !rule.ratios.empty() && sum > 0, "what-if: --shard-by '", text,
-                "': give memory, equal, or one ratio per device of the mix, not all 0 (1:3)");
-  return rule;
-}
-
-// Each device's share of what ZeRO shards (see the header comment); one device holds all.
-std::vector<double> sharesFor(const std::vector<MixEntry>& mix, const ModelProfile& p,
-                              const WhatIfSettings& s, const ShardRule& rule) {
-  std::vector<double> shares(mix.size(), 1.0);
-  if (s.zero == 0 || mix.size() <= 1) {
-    return shares;
-  }
-  std::vector<double> weights(mix.size(), 1.0);
-  if (rule.kind == ShardRule::Kind::Ratios) {
-    weights = rule.ratios;
-  } else if (rule.kind == ShardRule::Kind::Memory) {
-    // The free memory after the model the Trainer measures; ZeRO-1 keeps a buffer for
-    // every gradient on every device, which is not free for the shard either.
-    const double model = p.parameterBytes * (s.zero == 1 ? 2.0 : 1.0);
-    for (size_t i = 0; i < mix.size(); ++i) {
-      weights[i] = std::max(0.0, mix[i].device.memoryGiB * kGiB - s.contextBytes - model);
-    }
-  }
-  double sum = 0.0;
-  for (double w : weights) {
-    sum += w;
-  }
-  HDDP_CHECK_AS(ConfigError, sum > 0, "what-if: no device of the mix has memory left for a ZeRO-",
-                s.zero, " shard after ", format("%.2f", p.parameterBytes / kGiB), " GiB of weights",
-                s.zero == 1 ? " and as much of gradients" : "", " of ", p.model,
-                ": use --amp, a smaller model, or larger devices");
-  for (size_t i = 0; i < mix.size(); ++i) {
-    shares[i] = weights[i] / sum;
-  }
-  return shares;
-}
-
-void checkZero(const std::vector<MixEntry>& mix, const WhatIfSettings& s, const ShardRule& rule) {
-  HDDP_CHECK_AS(ConfigError, s.zero >= 0 && s.zero <= 2, "what-if: --zero is ", s.zero,
-                "; give 0 (plain data parallelism), 1 (optimizer state sharded) or 2 (and "
-                "gradients)");
-  if (s.zero == 0) {
-    return;
-  }
-  HDDP_CHECK_AS(ConfigError,
-                rule.kind != ShardRule::Kind::Ratios || rule.ratios.size() == mix.size(),
-                "what-if: --shard-by ", s.shardBy, " gives ", rule.ratios.size(), " ratios for ",
-                mix.size(), " devices in the mix; give one per device");
-  if (s.compression != "auto") {
-    const auto spec = CompressionSpec::parse(s.compression, "what-if");
-    HDDP_CHECK_AS(ConfigError, spec.kind == CompressionSpec::Kind::None, "what-if: ZeRO (--zero ",
-                  s.zero,
-                  ") reduces each gradient bucket to the device that owns it and cannot "
-                  "be combined with gradient compression (--compress ",
-                  s.compression, "); drop --compress or use --zero 0");
-  }
-}
-
-// The caps of `costs`' devices with `shares` of what ZeRO shards.
-void setCaps(std::vector<RankCost>& costs, const std::vector<MixEntry>& mix, const ModelProfile& p,
-             const WhatIfSettings& s, const std::vector<double>& shares) {
-  for (size_t i = 0; i < mix.size(); ++i) {
-    costs[i].maxSamples =
-        MemoryEstimator::capFor(memoryFit(mix[i].device, p, s, shares[i]), s.memoryHeadroom);
-  }
-}
 
 }  // namespace
 
@@ -639,80 +522,6 @@ WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
                      "with a measurement");
   }
   return r;
-}
-
-std::string ModelProfile::toJson() const {
-  json j = {{"model", model},
-            {"forward_flops_per_sample", forwardFlopsPerSample},
-            {"train_flops_per_sample", trainFlopsPerSample},
-            {"activation_bytes_per_sample", activationBytesPerSample},
-            {"parameter_bytes", parameterBytes},
-            {"input_bytes_per_sample", inputBytesPerSample},
-            {"amp", ampModeName(amp)}};
-  if (!gradientShapes.empty()) {
-    j["gradient_shapes"] = gradientShapes;
-  }
-  if (!calibratedOn.empty()) {
-    j["calibration"] = {{"device", calibratedOn},
-                        {"seconds_per_sample", calibratedSecondsPerSample},
-                        {"fixed_seconds", calibratedFixedSeconds}};
-  }
-  return j.dump(1) + "\n";
-}
-
-ModelProfile ModelProfile::fromJson(const std::string& text, const std::string& origin) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    HDDP_THROW(ConfigError, origin, ": not a model profile (", e.what(), ")");
-  }
-  HDDP_CHECK_AS(ConfigError, j.is_object(), origin, ": a model profile is a JSON object");
-  auto number = [&](const json& o, const char* key, const std::string& where) {
-    HDDP_CHECK_AS(ConfigError, o.contains(key) && o[key].is_number() && o[key].get<double>() >= 0,
-                  origin, ": ", where, key, " must be a number >= 0");
-    return o[key].get<double>();
-  };
-  ModelProfile p;
-  HDDP_CHECK_AS(ConfigError, j.contains("model") && j["model"].is_string(), origin,
-                ": \"model\" must name the model");
-  p.model = j["model"].get<std::string>();
-  p.forwardFlopsPerSample = number(j, "forward_flops_per_sample", "");
-  p.trainFlopsPerSample = number(j, "train_flops_per_sample", "");
-  p.activationBytesPerSample = number(j, "activation_bytes_per_sample", "");
-  p.parameterBytes = number(j, "parameter_bytes", "");
-  p.inputBytesPerSample = number(j, "input_bytes_per_sample", "");
-  HDDP_CHECK_AS(ConfigError, j.contains("amp") && j["amp"].is_string(), origin,
-                ": \"amp\" must be off, bf16 or fp16");
-  try {
-    p.amp = parseAmpMode(j["amp"].get<std::string>());
-  } catch (const ConfigError& e) {
-    HDDP_THROW(ConfigError, origin, ": ", e.what());
-  }
-  if (j.contains("gradient_shapes")) {
-    const json& g = j["gradient_shapes"];
-    bool valid = g.is_array();
-    for (size_t k = 0; valid && k < g.size(); ++k) {
-      valid = g[k].is_array();
-      for (size_t d = 0; valid && d < g[k].size(); ++d) {
-        valid = g[k][d].is_number_integer() && g[k][d].get<int64_t>() >= 0;
-      }
-      if (valid) {
-        p.gradientShapes.push_back(g[k].get<std::vector<int64_t>>());
-      }
-    }
-    HDDP_CHECK_AS(ConfigError, valid, origin,
-                  ": gradient_shapes must be a list of shapes, each a list of sizes >= 0");
-  }
-  if (j.contains("calibration")) {
-    const json& c = j["calibration"];
-    HDDP_CHECK_AS(ConfigError, c.is_object() && c.contains("device") && c["device"].is_string(),
-                  origin, ": calibration.device must name the table's device it ran on");
-    p.calibratedOn = c["device"].get<std::string>();
-    p.calibratedSecondsPerSample = number(c, "seconds_per_sample", "calibration.");
-    p.calibratedFixedSeconds = number(c, "fixed_seconds", "calibration.");
-  }
-  return p;
 }
 
 }  // namespace hddp

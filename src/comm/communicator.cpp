@@ -171,6 +171,7 @@ class C10dCommunicator final : public Communicator {
     return std::move(work.work);
   }
 
+  using Communicator::allreduce;
   using Communicator::broadcast;
   using Communicator::reduceScatter;
 

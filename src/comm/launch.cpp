@@ -80,6 +80,8 @@ const char* launcherName(Launcher launcher) noexcept {
       return "openmpi";
     case Launcher::Single:
       return "single process";
+    case Launcher::HddpRun:
+      return "hddp-run";
   }
   return "?";
 }
@@ -142,7 +144,9 @@ struct Parsed {
 
 Parsed fromTorchrun(const EnvMap& env) {
   Parsed p;
-  p.launcher = Launcher::Torchrun;
+  const std::string* launcher = find(env, protocol::kEnvLauncher);
+  p.launcher =
+      launcher && *launcher == protocol::kLauncherHddpRun ? Launcher::HddpRun : Launcher::Torchrun;
   p.rank = requiredInt(env, "RANK", "WORLD_SIZE is");
   p.world = requiredInt(env, "WORLD_SIZE", "RANK is");
   p.localRank = optionalInt(env, "LOCAL_RANK");
@@ -309,7 +313,8 @@ LaunchInfo validated(Parsed p) {
 }
 
 // What the launcher says about the job, whatever the launcher: the slot, the restarts
-// (torchrun's count, else Slurm's, the first that is positive) and the elastic job.
+// (torchrun's count, else Slurm's, the first that is positive), the elastic job, and
+// whether the launcher prefixes the rank's lines.
 void readJob(const EnvMap& env, LaunchInfo& info) {
   if (find(env, protocol::kEnvSlot)) {
     info.slot = intVar(env, protocol::kEnvSlot);
@@ -329,6 +334,9 @@ void readJob(const EnvMap& env, LaunchInfo& info) {
   }
   if (const std::string* dir = find(env, protocol::kEnvElasticDir)) {
     info.elasticDir = *dir;
+  }
+  if (const std::string* prefixed = find(env, protocol::kEnvRankPrefixed)) {
+    info.rankPrefixed = *prefixed == "1";
   }
 }
 

@@ -64,6 +64,7 @@ class LinkEmulatingCommunicator final : public Communicator {
     }
     return delayed(inner_.allreduceCoalesced(tensors, options), CollectiveKind::Allreduce, bytes);
   }
+  using Communicator::allreduce;
   using Communicator::broadcast;
   using Communicator::reduceScatter;
   Work broadcast(at::Tensor& tensor, const BroadcastOptions& options) override {

@@ -135,6 +135,7 @@ DistributedContext initFromEnv(const InitOptions& options) {
     }
   }
   log::setRank(info.rank);
+  log::setLauncherPrefixesRank(info.rankPrefixed);  // hddp-run's "[rank N] " is enough
   const bool allowShared =
       env::resolveBool("HDDP_ALLOW_SHARED_DEVICE", options.allowSharedDevice).value;
 

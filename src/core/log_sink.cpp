@@ -17,10 +17,12 @@ std::mutex gMutex;
 std::unordered_map<std::string, std::shared_ptr<spdlog::logger>> gLoggers;
 spdlog::sink_ptr gSink;
 std::atomic<int> gRank{-1};
+std::atomic<bool> gLauncherShowsRank{false};  // hddp-run's "[rank N] " starts each line
 
 std::string pattern() {
   const int r = gRank.load();
-  std::string rankPart = r >= 0 ? "[rank " + std::to_string(r) + "] " : "";
+  std::string rankPart =
+      r >= 0 && !gLauncherShowsRank.load() ? "[rank " + std::to_string(r) + "] " : "";
   return "[%Y-%m-%d %H:%M:%S.%e] " + rankPart + "[%n] [%l] %v";
 }
 
@@ -53,13 +55,31 @@ void write(const char* layer, int level, const char* message, std::size_t length
   }
 }
 
+namespace {
+
+// Callers hold gMutex.
+void applyPattern() {
+  for (auto& entry : gLoggers) {
+    entry.second->set_pattern(pattern());
+  }
+}
+
+}  // namespace
+
 void setRank(int rank) noexcept {
   try {
     std::lock_guard<std::mutex> lock(gMutex);
     gRank.store(rank);
-    for (auto& entry : gLoggers) {
-      entry.second->set_pattern(pattern());
-    }
+    applyPattern();
+  } catch (...) {
+  }
+}
+
+void setRankInLauncherPrefix(bool prefixed) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(gMutex);
+    gLauncherShowsRank.store(prefixed);
+    applyPattern();
   } catch (...) {
   }
 }

@@ -14,6 +14,8 @@ void write(const char* layer, int level, const char* message, std::size_t length
 /// The rank in every line's prefix (-1: none); kept here only.
 void setRank(int rank) noexcept;
 int rank() noexcept;
+/// The launcher prefixes each stderr line with the rank: the pattern leaves it out.
+void setRankInLauncherPrefix(bool prefixed) noexcept;
 
 }  // namespace sink
 }  // namespace log

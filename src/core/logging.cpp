@@ -93,6 +93,8 @@ void setRank(int r) noexcept { sink::setRank(r); }
 
 int rank() noexcept { return sink::rank(); }
 
+void setLauncherPrefixesRank(bool prefixed) noexcept { sink::setRankInLauncherPrefix(prefixed); }
+
 void setLineHandler(LineHandler handler) {
   std::lock_guard<std::mutex> lock(gHandlerMutex);
   gHandler = std::move(handler);

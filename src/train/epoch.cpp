@@ -81,6 +81,7 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   r.epoch = epoch_;
   r.epochs = options_.epochs;
   r.steps = epochSteps;
+  r.step = step_;
   r.trainLoss = run_.lastTrainLoss;
   const BatchPlan plan = currentPlan();
   r.plan = plan.local;

@@ -2,11 +2,23 @@
 
 #include <sstream>
 
+#include "hddp/balance/batch_plan.h"
+#include "hddp/core/logging.h"
 #include "hddp/train/trainer.h"
 #include "train/out_of_memory.h"
 
 namespace hddp {
 namespace train {
+namespace {
+
+std::string describePlan(const std::vector<int64_t>& local, int64_t global) {
+  BatchPlan plan;
+  plan.local = local;
+  plan.global = global;
+  return plan.describe();
+}
+
+}  // namespace
 
 Reporter::Reporter(const std::string& metricsPath, int rank, bool append, bool showProgress,
                    bool live, int64_t logEvery)
@@ -18,6 +30,74 @@ void Reporter::config(const nlohmann::json& config) {
   nlohmann::json record{{"kind", "config"}, {"rank", rank_}};
   record.update(config);
   metrics_.write(record);
+}
+
+void Reporter::startTensorBoard(const std::string& dir, int64_t firstStep) {
+  if (rank_ != 0 || dir.empty()) {
+    return;
+  }
+  tensorboard_ = std::make_unique<TensorBoardWriter>(dir);
+  tensorboard_->markStart(firstStep);
+  tensorboard_->flush();
+  planShown_ = false;
+  HDDP_LOG_INFO("train", "TensorBoard events in ", tensorboard_->path(),
+                " (watch with: tensorboard --logdir ", dir, ")");
+}
+
+// Rank 0's view of the step: the loss of its share, the global throughput, every rank's
+// share of the batch, its own step-time parts and memory; the split as text when the run
+// starts and whenever it changes.
+void Reporter::tensorBoardStep(const StepReport& r, double samplesPerSecond) {
+  TensorBoardWriter& tb = *tensorboard_;
+  const int64_t s = r.step;
+  tb.addScalar("train/loss", r.loss, s);
+  tb.addScalar("train/samples_per_s", samplesPerSecond, s);
+  if (r.learningRate >= 0) {
+    tb.addScalar("train/lr", r.learningRate, s);
+  }
+  for (size_t i = 0; i < r.plan.size(); ++i) {
+    tb.addScalar("share/rank" + std::to_string(i),
+                 r.globalBatch > 0 ? static_cast<double>(r.plan[i]) / r.globalBatch : 0.0, s);
+  }
+  tb.addScalar("time/step_s", r.stepSeconds, s);
+  tb.addScalar("time/data_wait_s", r.dataWaitSeconds, s);
+  tb.addScalar("time/compute_s", r.computeSeconds, s);
+  tb.addScalar("time/comm_wait_s", r.commWaitSeconds, s);
+  if (r.transferSeconds > 0) {
+    tb.addScalar("time/transfer_s", r.transferSeconds, s);
+  }
+  if (r.emulatedSeconds > 0) {
+    tb.addScalar("time/emulated_s", r.emulatedSeconds, s);
+  }
+  if (r.predictedAllreduceSeconds > 0) {
+    tb.addScalar("time/allreduce_predicted_s", r.predictedAllreduceSeconds, s);
+  }
+  if (r.planExchangeSeconds > 0) {
+    tb.addScalar("time/plan_exchange_s", r.planExchangeSeconds, s);
+  }
+  if (r.memory.valid) {
+    if (r.memory.device) {
+      tb.addScalar("memory/rank0_peak_allocated_bytes", r.memory.peakBytes, s);
+      tb.addScalar("memory/rank0_peak_reserved_bytes", r.memory.reservedPeakBytes, s);
+    } else {
+      tb.addScalar("memory/rank0_resident_bytes", r.memory.residentBytes, s);
+    }
+  }
+  if (r.optimizerStateBytes >= 0) {
+    tb.addScalar("memory/rank0_optimizer_state_bytes", r.optimizerStateBytes, s);
+  }
+  if (!planShown_) {
+    tb.addText("plan", "step " + std::to_string(s) + ": " + describePlan(r.plan, r.globalBatch), s);
+    planShown_ = true;
+  }
+  if (!r.newPlan.empty()) {
+    tb.addText("plan",
+               "from step " + std::to_string(s + 1) + ": " +
+                   describePlan(r.newPlan, r.globalBatch) + " (was " +
+                   describePlan(r.plan, r.globalBatch) + ")",
+               s);
+  }
+  tb.flush();
 }
 
 void Reporter::step(const StepReport& r) {
@@ -79,6 +159,9 @@ void Reporter::step(const StepReport& r) {
     record["optimizer_state_bytes"] = r.optimizerStateBytes;
   }
   metrics_.write(record);
+  if (tensorboard_) {
+    tensorBoardStep(r, samplesPerSecond);
+  }
   std::ostringstream extra;
   extra << "  share " << r.localBatch << "/" << r.globalBatch;
   if (r.dataWaitSeconds > 0.05 * r.stepSeconds && r.stepSeconds > 0) {
@@ -101,6 +184,19 @@ void Reporter::epoch(const EpochReport& r) {
     record[k] = v;
   }
   metrics_.write(record);
+  if (tensorboard_) {
+    tensorboard_->addScalar("epoch/epoch", static_cast<double>(r.epoch + 1), r.step);
+    tensorboard_->addScalar("epoch/train_loss", r.trainLoss, r.step);
+    tensorboard_->addScalar("epoch/samples_per_s", r.seconds > 0 ? r.samples / r.seconds : 0.0,
+                            r.step);
+    if (r.peakMemoryBytes > 0) {
+      tensorboard_->addScalar("memory/rank0_epoch_peak_bytes", r.peakMemoryBytes, r.step);
+    }
+    for (const auto& [k, v] : r.evaluation) {
+      tensorboard_->addScalar("eval/" + k, v, r.step);
+    }
+    tensorboard_->flush();
+  }
   std::ostringstream line;
   line.precision(4);
   line << "epoch " << r.epoch + 1 << "/" << r.epochs << ": train loss " << r.trainLoss;
@@ -127,6 +223,12 @@ void Reporter::evaluationAtStop(int64_t epoch, int64_t step,
   }
   line << " (split " << planText << ")";
   metrics_.write(record);
+  if (tensorboard_) {
+    for (const auto& [k, v] : metrics) {
+      tensorboard_->addScalar("eval/" + k, v, step);
+    }
+    tensorboard_->flush();
+  }
   progress_->line(line.str());
 }
 
@@ -143,6 +245,10 @@ void Reporter::outOfMemory(const OutOfMemoryRecovery& recovery, int64_t epoch, i
   }
   record["failed"] = failed;
   metrics_.write(record);
+  if (tensorboard_) {
+    tensorboard_->addText("plan", recovery.message, step);
+    tensorboard_->flush();
+  }
 }
 
 void Reporter::summary(const TrainSummary& s, const std::map<std::string, double>& evaluation) {
@@ -162,6 +268,9 @@ void Reporter::summary(const TrainSummary& s, const std::map<std::string, double
     record[k] = v;
   }
   metrics_.write(record);
+  if (tensorboard_) {
+    tensorboard_->flush();
+  }
   std::ostringstream line;
   if (s.totalSteps != s.steps) {
     // A resumed run or a later generation of an elastic job: the job's step, and apart

@@ -1,6 +1,7 @@
 // What the Trainer reports (internal to the train layer): one JSON line per step,
-// epoch, evaluation, repeated step and run in the rank's metrics file, and rank 0's
-// progress bar or lines. Every record kind is written here and nowhere else.
+// epoch, evaluation, repeated step and run in the rank's metrics file, rank 0's
+// progress bar or lines, and rank 0's TensorBoard events. Every record kind is written
+// here and nowhere else.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "hddp/train/tensorboard.h"
 #include "train/memory_meter.h"
 #include "train/metrics.h"
 
@@ -37,6 +39,7 @@ struct StepReport {
   double stepSeconds = 0;
   double loss = 0;
   double lossScale = 1;
+  double learningRate = -1;  // the optimizer's first parameter group's (-1: not known)
   bool stepped = true;
   std::vector<int64_t> plan;
   std::vector<int64_t> newPlan;  // empty: the plan did not change
@@ -50,6 +53,7 @@ struct EpochReport {
   int64_t epoch = 0;
   int64_t epochs = 0;
   int64_t steps = 0;
+  int64_t step = 0;  // global steps done at the epoch's end
   double seconds = 0;
   double samples = 0;  // over all ranks
   double trainLoss = 0;
@@ -70,6 +74,9 @@ class Reporter {
 
   /// The run's configuration, first in the file (each fit(), a resumed one too).
   void config(const nlohmann::json& config);
+  /// Rank 0 opens a TensorBoard event file in `dir` ("" = none) for this fit(), whose
+  /// first step is `firstStep` (TensorBoard drops what earlier files hold from there on).
+  void startTensorBoard(const std::string& dir, int64_t firstStep);
   void step(const StepReport& report);
   void epoch(const EpochReport& report);
   /// An evaluation outside an epoch's end (maxSteps stopped the run inside one).
@@ -79,9 +86,13 @@ class Reporter {
   void summary(const TrainSummary& summary, const std::map<std::string, double>& evaluation);
 
  private:
+  void tensorBoardStep(const StepReport& r, double samplesPerSecond);
+
   int rank_ = 0;
   MetricsWriter metrics_;
   std::unique_ptr<Progress> progress_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;  // rank 0 with a TensorBoard folder
+  bool planShown_ = false;                          // the first step's split is in TensorBoard
 };
 
 }  // namespace train

@@ -15,6 +15,34 @@
 #include "train/trainer_impl.h"
 
 namespace hddp {
+namespace {
+
+// The first parameter group's learning rate; -1 for an optimizer whose options hddp
+// does not know (the ones setLearningRate sets).
+double learningRateOf(torch::optim::Optimizer& optimizer) {
+  if (optimizer.param_groups().empty()) {
+    return -1;
+  }
+  const auto& o = optimizer.param_groups().front().options();
+  if (const auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(&o)) {
+    return sgd->lr();
+  }
+  if (const auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&o)) {
+    return adam->lr();
+  }
+  if (const auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) {
+    return adamw->lr();
+  }
+  if (const auto* rmsprop = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) {
+    return rmsprop->lr();
+  }
+  if (const auto* adagrad = dynamic_cast<const torch::optim::AdagradOptions*>(&o)) {
+    return adagrad->lr();
+  }
+  return -1;
+}
+
+}  // namespace
 
 // False when the step was abandoned (some rank ran out of memory): nothing was
 // applied, and the loader serves the same samples again under the new split.
@@ -231,6 +259,7 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.transferSeconds = lastStep_.transferSeconds;
   r.emulatedSeconds = lastStep_.emulatedSeconds;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
+  r.learningRate = learningRateOf(optimizer_);
   r.stepped = stepped;
   r.plan = batch.share.plan.local;
   if (lastStep_.newPlan) {

@@ -341,6 +341,7 @@ TrainSummary Trainer::Impl::fit() {
       /*append=*/run_.resumed || elastic_.restarts() > 0, options_.progress != ProgressMode::Off,
       options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
   reporter_.config(runConfig());
+  reporter_.startTensorBoard(options_.tensorboard, step_ + 1);
   barrier();  // a common time zero for the timeline
   timeline_.setOrigin(Clock::now());
   elastic_.startCommits(step_);

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "hddp/data/distributed_sampler.h"
 
@@ -163,6 +164,13 @@ struct LoadOptions {
 /// the file was saved with another global batch, or does not fit the model or optimizer.
 LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
                       int64_t globalBatch, const LoadOptions& options = {});
+
+/// ZeRO's parts reach the folder writers only: each part goes out from its rank in chunks
+/// (a broadcast per chunk on the communicator's device), so no device holds more than a
+/// chunk of them, and a rank that does not write keeps none. Collective; every rank
+/// returns one entry per rank, empty where it does not write.
+std::vector<std::vector<uint8_t>> partsToWriters(Communicator& comm,
+                                                 const std::vector<uint8_t>& mine, bool writer);
 
 }  // namespace train
 }  // namespace hddp

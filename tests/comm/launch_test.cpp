@@ -56,6 +56,29 @@ TEST(Launch, Torchrun) {
   EXPECT_FALSE(detectLaunch({}, env).useAgentStore);
 }
 
+// hddp-run uses torchrun's variables but says it launched the rank, and whether it
+// prefixes the rank's stderr lines (so hddp's log lines leave the rank out); torchrun
+// itself sets neither.
+TEST(Launch, HddpRunIsNamedAsItselfAndSaysWhetherItPrefixesTheRank) {
+  EnvMap env = {{"RANK", "1"},
+                {"WORLD_SIZE", "2"},
+                {"MASTER_ADDR", "127.0.0.1"},
+                {"MASTER_PORT", "29400"},
+                {"TORCHELASTIC_RUN_ID", "hddp-4242"}};
+  auto torchrun = detectLaunch({}, env);
+  EXPECT_EQ(torchrun.launcher, Launcher::Torchrun);
+  EXPECT_FALSE(torchrun.rankPrefixed);
+  env["HDDP_LAUNCHER"] = "hddp-run";
+  env["HDDP_RANK_PREFIXED"] = "1";
+  auto hddpRun = detectLaunch({}, env);
+  EXPECT_EQ(hddpRun.launcher, Launcher::HddpRun);
+  EXPECT_STREQ(hddp::launcherName(hddpRun.launcher), "hddp-run");
+  EXPECT_EQ(hddpRun.rank, 1);
+  EXPECT_TRUE(hddpRun.rankPrefixed);
+  env["HDDP_RANK_PREFIXED"] = "0";  // --no-prefix, or rank 0's terminal
+  EXPECT_FALSE(detectLaunch({}, env).rankPrefixed);
+}
+
 // What the Trainer takes from the launch information instead of reading the
 // environment itself: the restart count of any launcher (torchrun's variable, which
 // hddp-run sets, else a requeued Slurm job's), and an elastic job's slot and folder.

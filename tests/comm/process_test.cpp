@@ -138,15 +138,34 @@ using hddp::testing::runCommand;
 std::string launcher() { return hddp::testing::toolsDir() + "/hddp-run"; }
 std::string worker() { return HDDP_TEST_WORKER; }
 
+// The ranks get torchrun's variables and know hddp-run launched them; each output line
+// carries the rank once: hddp-run's prefix, not a second one from hddp's log lines.
 TEST(HddpRun, RunsRanksWithTorchrunEnvironmentAndPrefixedOutput) {
-  auto r = runCommand(launcher() + " --nproc-per-node 3 -- " + worker() + " allreduce");
+  auto r = runCommand("HDDP_LOG_LEVEL=info " + launcher() + " --nproc-per-node 3 -- " + worker() +
+                      " allreduce");
   EXPECT_EQ(r.exitCode, 0) << r.output;
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_NE(
-        r.output.find("[rank " + std::to_string(rank) + "] sum=3 restart=0 launcher=torchrun"),
-        std::string::npos)
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+    EXPECT_NE(r.output.find(prefix + "sum=3 restart=0 launcher=hddp-run"), std::string::npos)
         << r.output;
+    // "[rank 1] [2026-12-05 22:04:01.123] [hddp.comm] [info] rank 1/3 (local 1/3) from
+    // hddp-run, ...", where the rank used to come twice and torchrun was named.
+    const size_t at = r.output.find(prefix + "[20");
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    EXPECT_NE(line.find("] [hddp.comm] [info] rank " + std::to_string(rank) + "/3 (local " +
+                        std::to_string(rank) + "/3) from hddp-run,"),
+              std::string::npos)
+        << line;
+    EXPECT_EQ(line.find("[rank", prefix.size()), std::string::npos) << "the rank twice: " << line;
   }
+  EXPECT_EQ(r.output.find("from torchrun"), std::string::npos) << r.output;
+  // --no-prefix: the log lines name the rank themselves.
+  auto plain = runCommand("HDDP_LOG_LEVEL=info " + launcher() +
+                          " --no-prefix --nproc-per-node 2 -- " + worker() + " allreduce");
+  EXPECT_EQ(plain.exitCode, 0) << plain.output;
+  EXPECT_NE(plain.output.find("] [rank 1] [hddp.comm] [info] rank 1/2"), std::string::npos)
+      << plain.output;
 }
 
 TEST(HddpRun, DevicesGiveEachRankItsDeviceAndTheJobOneBackend) {
@@ -154,7 +173,7 @@ TEST(HddpRun, DevicesGiveEachRankItsDeviceAndTheJobOneBackend) {
   EXPECT_EQ(r.exitCode, 0) << r.output;
   for (int rank = 0; rank < 2; ++rank) {  // two ranks: the list's length
     EXPECT_NE(r.output.find("[rank " + std::to_string(rank) +
-                            "] sum=2 restart=0 launcher=torchrun device=cpu backend=gloo"),
+                            "] sum=2 restart=0 launcher=hddp-run device=cpu backend=gloo"),
               std::string::npos)
         << r.output;
   }

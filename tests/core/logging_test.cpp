@@ -37,6 +37,34 @@ TEST(Logging, LinesCarryRankAndLayerAndRespectTheLevel) {
                                              "[hddp.train] [warn] no rank"}));
 }
 
+// Under hddp-run, which starts each line of a rank's stderr with "[rank N] ", hddp's
+// own prefix leaves the rank out, so a line carries it once (issue #38); a line handler
+// still gets it.
+TEST(Logging, TheRankAppearsOnceWhenTheLauncherPrefixesIt) {
+  hddp::log::setLevel(hddp::log::Level::Info);
+  hddp::log::setRank(1);
+  testing::internal::CaptureStderr();
+  HDDP_LOG_INFO("comm", "own prefix");
+  hddp::log::setLauncherPrefixesRank(true);
+  HDDP_LOG_INFO("comm", "launcher's prefix");
+  std::vector<std::string> lines;
+  hddp::log::setLineHandler(
+      [&lines](hddp::log::Level, const std::string& line) { lines.push_back(line); });
+  HDDP_LOG_INFO("comm", "to the handler");
+  hddp::log::setLineHandler(nullptr);
+  hddp::log::setLauncherPrefixesRank(false);
+  hddp::log::setRank(-1);
+  const std::string out = testing::internal::GetCapturedStderr();
+  EXPECT_NE(out.find("] [rank 1] [hddp.comm] [info] own prefix"), std::string::npos) << out;
+  const size_t line = out.find("launcher's prefix");
+  ASSERT_NE(line, std::string::npos) << out;
+  const size_t start = out.rfind('\n', line);
+  const std::string second = out.substr(start == std::string::npos ? 0 : start + 1);
+  EXPECT_EQ(second.find("[rank"), std::string::npos) << second;
+  EXPECT_NE(second.find("] [hddp.comm] [info] launcher's prefix"), std::string::npos) << second;
+  EXPECT_EQ(lines, (std::vector<std::string>{"[rank 1] [hddp.comm] [info] to the handler"}));
+}
+
 // A rank alone in a terminal draws its live bar on stderr itself; its own log lines
 // clear the bar first and are written whole, never onto it (issue #32, item 19).
 TEST(Logging, ALogLineClearsTheLiveProgressBarFirst) {

@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <set>
+#include <string>
+
 #include "hddp/core/error.h"
 #include "resnet.h"
 #include "unet.h"
@@ -50,8 +53,47 @@ TEST(Models, ResNetShapesAndStems) {
   EXPECT_THROW(hddp::models::ResNet{bad}, hddp::Error);
 }
 
+// ResNet-18/34/50 have torchvision's names and sizes, so state dicts go both ways
+// (tests/models/resnet_torchvision_test.py loads them into torchvision itself).
+TEST(Models, ImageNetResNetsHaveTorchvisionsNamesAndSizes) {
+  struct Expected {
+    const char* arch;
+    int64_t parameters;  // torchvision.models.<arch>(num_classes=10), torchvision 0.26
+    size_t keys;         // len(model.state_dict())
+    const char* deepest;
+  };
+  for (const Expected& e :
+       {Expected{"resnet18", 11181642, 122, "layer4.1.bn2.num_batches_tracked"},
+        Expected{"resnet34", 21289802, 218, "layer4.2.bn2.num_batches_tracked"},
+        Expected{"resnet50", 23528522, 320, "layer4.2.bn3.num_batches_tracked"}}) {
+    SCOPED_TRACE(e.arch);
+    hddp::models::ResNetOptions o;
+    o.arch = e.arch;
+    o.imageSize = 224;
+    hddp::models::ResNet net(o);
+    std::set<std::string> keys;
+    int64_t parameters = 0;
+    for (const auto& p : net->named_parameters()) {
+      keys.insert(p.key());
+      parameters += p.value().numel();
+    }
+    for (const auto& b : net->named_buffers()) {
+      keys.insert(b.key());
+    }
+    EXPECT_EQ(parameters, e.parameters);
+    EXPECT_EQ(keys.size(), e.keys);
+    for (const char* key : {"conv1.weight", "bn1.running_mean", "layer1.0.conv1.weight",
+                            "layer2.0.downsample.0.weight", "layer2.0.downsample.1.running_var",
+                            "layer3.1.bn2.bias", "fc.weight", "fc.bias"}) {
+      EXPECT_EQ(keys.count(key), 1u) << key;
+    }
+    EXPECT_EQ(keys.count(e.deepest), 1u) << e.deepest;
+    EXPECT_EQ(net->named_parameters()["conv1.weight"].sizes(), (std::vector<int64_t>{64, 3, 7, 7}));
+  }
+}
+
 TEST(Models, ResNetCheckpointingKeepsGradients) {
-  for (const char* arch : {"resnet9", "resnet20"}) {
+  for (const char* arch : {"resnet9", "resnet20", "resnet18"}) {
     SCOPED_TRACE(arch);
     hddp::models::ResNetOptions o;
     o.arch = arch;

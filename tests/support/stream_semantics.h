@@ -57,6 +57,7 @@ class StreamSemanticsCommunicator final : public Communicator {
                           const AllreduceOptions& options = {}) override {
     return defer(inner_->allreduceCoalesced(tensors, options));
   }
+  using Communicator::allreduce;
   using Communicator::broadcast;
   using Communicator::reduceScatter;
   Work broadcast(at::Tensor& tensor, const BroadcastOptions& options) override {

@@ -108,6 +108,9 @@ bool Group::start() {
         std::string(protocol::kEnvRestartCount) + "=" + std::to_string(restartCount_),
         "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(config_.maxRestarts),
         std::string(protocol::kEnvRunId) + "=hddp-" + std::to_string(getpid()),
+        std::string(protocol::kEnvLauncher) + "=" + protocol::kLauncherHddpRun,
+        // Set either way, so that a value from an outer hddp-run is not inherited.
+        std::string(protocol::kEnvRankPrefixed) + "=" + (tty || config_.noPrefix ? "0" : "1"),
     };
     if (elastic) {
       env.push_back(std::string(protocol::kEnvElastic) + "=1");

@@ -105,6 +105,16 @@ class Communicator {
 
   /// In-place allreduce of one tensor. Avg on Gloo is a sum divided on wait().
   virtual Work allreduce(at::Tensor& tensor, const AllreduceOptions& options = {}) = 0;
+  /// The same through any handle: a temporary (`comm.allreduce(flat.narrow(0, 0, n))`,
+  /// `comm.allreduce(t.view({-1}))`) or a const reference. at::Tensor is a handle, so
+  /// the result lands in the storage it views (the Work keeps that alive until it
+  /// completes), and is read through any other handle to it; LibTorch's in-place methods
+  /// are const for the same reason. A temporary that owns its storage alone
+  /// (`comm.allreduce(x * 2)`) leaves its result nowhere: reduce a named tensor then.
+  Work allreduce(const at::Tensor& tensor, const AllreduceOptions& options = {}) {
+    at::Tensor handle = tensor;
+    return allreduce(handle, options);
+  }
   /// In-place allreduce of several tensors of one dtype and device, coalesced into
   /// one flat buffer (one collective instead of one per tensor).
   virtual Work allreduceCoalesced(std::vector<at::Tensor>& tensors,

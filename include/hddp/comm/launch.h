@@ -7,7 +7,8 @@
 // SLURM_NTASKS_PER_NODE, SLURM_LAUNCH_NODE_IPADDR or the first host of
 // SLURM_JOB_NODELIST); Open MPI (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK,
 // _LOCAL_SIZE). With none of them: a single process (rank 0 of 1). hddp-run sets
-// torchrun's variables. These are pure functions of an environment map.
+// torchrun's variables and HDDP_LAUNCHER=hddp-run, and is reported as hddp-run. These
+// are pure functions of an environment map.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -22,8 +23,9 @@
 
 namespace hddp {
 
-/// Where the launch information came from.
-enum class Launcher { Explicit, Torchrun, Slurm, OpenMpi, Single };
+/// Where the launch information came from. HddpRun: torchrun's variables, set by hddp-run
+/// (HDDP_LAUNCHER=hddp-run).
+enum class Launcher { Explicit, Torchrun, Slurm, OpenMpi, Single, HddpRun };
 const char* launcherName(Launcher launcher) noexcept;
 
 struct LaunchInfo {
@@ -50,6 +52,9 @@ struct LaunchInfo {
   std::string elasticDir;
   /// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True).
   bool useAgentStore = false;
+  /// The launcher starts each line of this rank's stderr with its rank (hddp-run:
+  /// HDDP_RANK_PREFIXED=1); initFromEnv() then leaves it out of hddp's log lines.
+  bool rankPrefixed = false;
   Launcher launcher = Launcher::Single;
 };
 
@@ -84,9 +89,9 @@ EnvMap processEnvironment();
 LaunchInfo detectLaunch(const InitOptions& options, const EnvMap& env);
 
 /// Only what the launcher says about the job, not who the rank is: jobRestarts, slot,
-/// elastic and elasticDir (the rest default). Never fails on the rank, world or address
-/// variables: the Trainer's default when TrainerOptions::launch is not given, for a
-/// program that built its communicator with explicit options.
+/// elastic, elasticDir and rankPrefixed (the rest default). Never fails on the rank, world or
+/// address variables: the Trainer's default when TrainerOptions::launch is not given, for a program
+/// that built its communicator with explicit options.
 LaunchInfo detectJob(const EnvMap& env);
 
 /// First host of a Slurm node list: "gpu[01-04,07],login1" -> "gpu01".

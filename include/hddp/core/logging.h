@@ -30,6 +30,12 @@ bool enabled(Level level) noexcept;
 /// Sets the rank shown in every line ("[rank 3]"); -1 hides it. Thread-safe.
 void setRank(int rank) noexcept;
 int rank() noexcept;
+/// Whether the launcher already starts every line of this process's stderr with the
+/// rank (hddp-run does, as "[rank 3] ", unless --no-prefix or on rank 0's terminal): the
+/// lines written to stderr then leave it out, so that it appears once. A line handler
+/// still gets it. initFromEnv() sets it from the launch (LaunchInfo::rankPrefixed).
+/// Default false. Thread-safe.
+void setLauncherPrefixesRank(bool prefixed) noexcept;
 
 /// Writes one line to the logger "hddp.<layer>" (stderr). Never throws.
 void write(const char* layer, Level level, const std::string& message) noexcept;

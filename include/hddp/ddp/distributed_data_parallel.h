@@ -30,6 +30,12 @@
 // (`loss1.backward(); loss2.backward();`) give PyTorch's result: each backward's
 // gradient is reduced once and the two add up.
 //
+// The model is passed as LibTorch programs hold it: a module object
+// (`struct Net : torch::nn::Module {...}; Net model;`), a std::shared_ptr to one, or a
+// module holder (torch::nn::Linear, a TORCH_MODULE type). A holder or a shared_ptr is
+// shared; a module object is referenced, not copied or owned (as torch::optim keeps
+// `model.parameters()`): it must outlive the DistributedDataParallel.
+//
 // The module's parameters must all be on one device (ConfigError otherwise). Tied
 // parameters (one tensor registered under several names) are synchronized once.
 // Sparse gradients (Embedding with sparse=true) are made dense for the allreduce.
@@ -45,6 +51,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -139,6 +146,58 @@ struct DdpStepStats {
 
 namespace detail {
 struct DdpAccess;  // the Trainer's access to an abandoned step (internal)
+
+template <typename T, typename = void>
+struct IsModuleHolder : std::false_type {};
+template <typename T>
+struct IsModuleHolder<T, std::void_t<decltype(std::declval<const T&>().ptr())>> : std::true_type {};
+template <typename T>
+struct IsSharedPtr : std::false_type {};
+template <typename T>
+struct IsSharedPtr<std::shared_ptr<T>> : std::true_type {};
+template <typename T>
+struct AlwaysFalse : std::false_type {};
+
+/// The module DistributedDataParallel synchronizes, from what a LibTorch program holds:
+/// a shared_ptr or a holder is shared; a module object is referenced (shared when a
+/// shared_ptr already owns it, else not owned: the caller keeps it alive).
+template <typename ModuleLike>
+std::shared_ptr<torch::nn::Module> moduleOf(ModuleLike&& module) {
+  using T = std::remove_cv_t<std::remove_reference_t<ModuleLike>>;
+  if constexpr (IsSharedPtr<T>::value) {
+    static_assert(std::is_base_of<torch::nn::Module, typename T::element_type>::value,
+                  "hddp::DistributedDataParallel: the shared_ptr must point to a "
+                  "torch::nn::Module (or a class derived from it)");
+    return std::static_pointer_cast<torch::nn::Module>(std::forward<ModuleLike>(module));
+  } else if constexpr (IsModuleHolder<T>::value) {
+    return std::static_pointer_cast<torch::nn::Module>(module.ptr());
+  } else if constexpr (std::is_base_of<torch::nn::Module, T>::value) {
+    if constexpr (!std::is_lvalue_reference<ModuleLike>::value ||
+                  std::is_const<std::remove_reference_t<ModuleLike>>::value) {
+      static_assert(AlwaysFalse<T>::value,
+                    "hddp::DistributedDataParallel: pass the module object itself (a non-const "
+                    "lvalue, `Net model; DistributedDataParallel ddp(model, comm);`). DDP "
+                    "references it without owning it, so a temporary would be gone at once; "
+                    "to hand over ownership pass std::make_shared<Net>() instead");
+      return nullptr;
+    } else {
+      if (std::shared_ptr<torch::nn::Module> owner = module.weak_from_this().lock()) {
+        return owner;  // already owned by a shared_ptr (`*ptr`): share it
+      }
+      // A shared_ptr that owns nothing (the aliasing constructor with an empty owner).
+      return std::shared_ptr<torch::nn::Module>(std::shared_ptr<torch::nn::Module>(),
+                                                static_cast<torch::nn::Module*>(&module));
+    }
+  } else {
+    static_assert(AlwaysFalse<T>::value,
+                  "hddp::DistributedDataParallel takes the model as LibTorch programs hold it: "
+                  "a module object (`struct Net : torch::nn::Module {...}; Net model;`, "
+                  "referenced: it must outlive the DDP), a std::shared_ptr to a module "
+                  "(`std::make_shared<Net>()`), or a module holder (torch::nn::Linear, a "
+                  "TORCH_MODULE(Net) type). Pass one of these as the first argument");
+    return nullptr;
+  }
+}
 }  // namespace detail
 
 /// Thread safety: one thread drives it (setBatch, forward, backward, finalize,
@@ -150,11 +209,14 @@ class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Communicator& communicator,
                           DdpOptions options = {});
-  /// Any module holder (torch::nn::Linear, a TORCH_MODULE type, ...).
-  template <typename Holder, typename = decltype(std::declval<Holder>().ptr())>
-  DistributedDataParallel(const Holder& holder, Communicator& communicator, DdpOptions options = {})
-      : DistributedDataParallel(std::static_pointer_cast<torch::nn::Module>(holder.ptr()),
-                                communicator, std::move(options)) {}
+  /// The model as a LibTorch program holds it: a module object (`Net model;`, referenced,
+  /// not owned: keep it alive while the DDP is), a std::shared_ptr to a module, or a
+  /// module holder (torch::nn::Linear, a TORCH_MODULE type). Anything else does not
+  /// compile, with a message saying what to pass.
+  template <typename ModuleLike>
+  DistributedDataParallel(ModuleLike&& module, Communicator& communicator, DdpOptions options = {})
+      : DistributedDataParallel(detail::moduleOf(std::forward<ModuleLike>(module)), communicator,
+                                std::move(options)) {}
   ~DistributedDataParallel();
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
@@ -200,6 +262,8 @@ class DistributedDataParallel {
   void syncBuffers();
 
   torch::nn::Module& module();
+  /// The module; a pointer that does not own it when DDP was given a module object that
+  /// no shared_ptr owns.
   const std::shared_ptr<torch::nn::Module>& modulePtr() const;
   Communicator& communicator();
   const DdpOptions& options() const;

@@ -10,8 +10,9 @@
 // - `.safetensors`: an 8-byte little-endian header length, a JSON header (each tensor's
 //   dtype, shape and byte range, plus "__metadata__"), then the raw little-endian data;
 //   what model hubs publish.
-// - anything else (`.pt`, `.pth`, `.bin`): LibTorch's pickle format (torch::pickle_save,
-//   the zip archive torch.save writes), holding a dict of tensors.
+// - anything else (`.pt`, `.pth`, `.bin`): torch.save's format, the zip archive holding a
+//   pickle of a dict of tensors (hddp's own writer and reader; LibTorch's pickle functions
+//   lose the OrderedDict and write type tags that weights_only refuses).
 // State files (hddp/train/state_file.h) are another thing: they hold a whole training
 // run's state; these hold the model alone.
 //

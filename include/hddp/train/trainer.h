@@ -119,6 +119,12 @@ struct TrainerOptions {
   /// Chrome-trace / Perfetto JSON of every rank's phases, written by rank 0 at the end
   /// of fit(); "" = off (the default, and then nearly free).
   std::string timelinePath;
+  /// Folder for TensorBoard event files (`tensorboard --logdir` it); "" = off (the
+  /// default). Rank 0 writes one file per fit() at the global step: the training loss
+  /// of its share, samples/s, learning rate, every rank's share of the batch, its own
+  /// step-time parts and memory, the epochs' loss and evaluation, and the split as
+  /// text when it changes (hddp/train/tensorboard.h; docs/train.md).
+  std::string tensorboard;
   ProgressMode progress = ProgressMode::Auto;
   /// Directory for state files; "" = never save. Default "".
   std::string saveDir;

@@ -1,0 +1,81 @@
+// The trainers' --export, --init-from and --init-skip (example_common.h): the model's
+// state dict to and from Python's files (hddp/train/state_dict.h).
+#include <torch/nn/module.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "example_common.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+#include "hddp/train/state_dict.h"
+
+namespace hddp {
+namespace examples {
+
+namespace {
+
+// The model's state-dict keys (parameters, then buffers), without copying a tensor.
+std::vector<std::string> stateDictKeys(const torch::nn::Module& model) {
+  std::vector<std::string> keys;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) {
+    keys.push_back(p.key());
+  }
+  for (const auto& b : model.named_buffers(/*recurse=*/true)) {
+    keys.push_back(b.key());
+  }
+  return keys;
+}
+
+}  // namespace
+
+void initModelFrom(torch::nn::Module& model, const CommonFlags& f) {
+  if (f.initFrom.empty()) {
+    return;
+  }
+  const auto keys = stateDictKeys(model);
+  size_t skipped = 0;
+  for (const auto& key : keys) {
+    for (const auto& prefix : f.initSkip) {
+      if (key.compare(0, prefix.size(), prefix) == 0) {
+        ++skipped;
+        break;
+      }
+    }
+  }
+  HDDP_CHECK_AS(ConfigError, f.initSkip.empty() || skipped > 0, "--init-skip ", f.initSkip.front(),
+                (f.initSkip.size() > 1 ? " ..." : ""),
+                " matches none of the model's keys; they look like '",
+                keys.empty() ? std::string() : keys.front(), "'");
+  LoadStateDictOptions options;
+  options.skipPrefixes = f.initSkip;
+  const auto result = loadStateDict(model, f.initFrom, options);
+  HDDP_LOG_INFO("train", "--init-from ", f.initFrom, ": loaded ", result.loaded.size(), " tensors",
+                skipped ? ", left " + std::to_string(skipped) + " out (--init-skip)" : "");
+}
+
+void checkExportPath(const CommonFlags& f) {
+  if (f.exportPath.empty()) {
+    return;
+  }
+  const auto slash = f.exportPath.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : f.exportPath.substr(0, slash + 1);
+  HDDP_CHECK_AS(ConfigError, ::access(dir.c_str(), W_OK) == 0, "--export ", f.exportPath,
+                ": cannot write into ", dir, " (", std::strerror(errno),
+                "); create the folder or name another file");
+}
+
+void exportModel(const torch::nn::Module& model, const CommonFlags& f, int rank) {
+  if (f.exportPath.empty() || rank != 0) {
+    return;
+  }
+  saveStateDict(model, f.exportPath);
+  HDDP_LOG_INFO("train", "--export: wrote the model's state dict (", stateDictKeys(model).size(),
+                " tensors) to ", f.exportPath);
+}
+
+}  // namespace examples
+}  // namespace hddp

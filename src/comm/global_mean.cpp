@@ -1,0 +1,45 @@
+#include "hddp/comm/global_mean.h"
+
+#include <ATen/ATen.h>
+
+#include <limits>
+#include <vector>
+
+#include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
+
+namespace hddp {
+
+double globalMeanLoss(Communicator& comm, const at::Tensor& localMeanLoss, int64_t localBatch) {
+  HDDP_CHECK(localBatch >= 0, "globalMeanLoss: localBatch must be >= 0 (this rank's samples), got ",
+             localBatch);
+  if (localBatch == 0) {
+    return globalMeanLoss(comm, 0.0, 0);
+  }
+  HDDP_CHECK(localMeanLoss.defined() && localMeanLoss.numel() == 1,
+             "globalMeanLoss: the local mean loss must be one number (the mean over this "
+             "rank's ",
+             localBatch, " samples, e.g. torch::nll_loss with its default mean reduction), got ",
+             localMeanLoss.defined() ? c10::str("a tensor of shape ", localMeanLoss.sizes())
+                                     : std::string("an undefined tensor"));
+  return globalMeanLoss(comm, localMeanLoss.detach().to(at::kDouble).item<double>(), localBatch);
+}
+
+double globalMeanLoss(Communicator& comm, double localMeanLoss, int64_t localBatch) {
+  HDDP_CHECK(localBatch >= 0, "globalMeanLoss: localBatch must be >= 0 (this rank's samples), got ",
+             localBatch);
+  const double samples = static_cast<double>(localBatch);
+  // A rank without samples adds 0, whatever its loss (NaN x 0 would be NaN).
+  const double weighted = localBatch > 0 ? localMeanLoss * samples : 0.0;
+  at::Tensor sums = at::tensor(std::vector<double>{weighted, samples}, at::kDouble);
+  if (comm.device() != sums.device()) {
+    sums = sums.to(comm.device());
+  }
+  comm.allreduce(sums).wait();
+  comm.synchronize();
+  sums = sums.cpu();
+  const double total = sums[1].item<double>();
+  return total > 0 ? sums[0].item<double>() / total : std::numeric_limits<double>::quiet_NaN();
+}
+
+}  // namespace hddp

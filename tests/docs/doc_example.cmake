@@ -1,0 +1,20 @@
+# A doc shows a compiled example as it is: the lines of PROGRAM between
+# "// [DOC begin]" and "// [DOC end]" must appear in DOC (both relative to SOURCE_DIR).
+file(READ "${SOURCE_DIR}/${DOC}" doc)
+file(READ "${SOURCE_DIR}/${PROGRAM}" program)
+set(begin "// [${DOC} begin]\n")
+set(end "// [${DOC} end]")
+string(FIND "${program}" "${begin}" from)
+string(FIND "${program}" "${end}" to)
+if(from EQUAL -1 OR to EQUAL -1)
+  message(FATAL_ERROR "${PROGRAM} has no '// [${DOC} begin]' ... '// [${DOC} end]' markers")
+endif()
+string(LENGTH "${begin}" skip)
+math(EXPR from "${from} + ${skip}")
+math(EXPR length "${to} - ${from}")
+string(SUBSTRING "${program}" ${from} ${length} example)
+string(FIND "${doc}" "${example}" at)
+if(at EQUAL -1)
+  message(FATAL_ERROR "${DOC} does not show the example compiled in ${PROGRAM} as it is: "
+                      "copy the lines between its markers into the doc's C++ block")
+endif()

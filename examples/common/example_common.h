@@ -150,15 +150,17 @@ bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch);
 void installEvaluation(Trainer& trainer, const CommonFlags& flags,
                        std::function<std::map<std::string, double>()> evaluate);
 
-/// --init-from / --init-skip: loads the state dict file into `model` (every key but the
-/// skipped prefixes must match by name and shape, as PyTorch's strict=True) and logs
-/// what was loaded and left out. Does nothing without --init-from. Call it on every rank
-/// before the Trainer (a --resume'd state file, when there is one, replaces it).
-void initModelFrom(torch::nn::Module& model, const CommonFlags& flags);
+/// --init-from / --init-skip: rank 0 loads the state dict file into `model` (every key
+/// but the skipped prefixes must match by name and shape, as PyTorch's strict=True) and
+/// logs what was loaded and left out; the Trainer's DDP then broadcasts rank 0's weights
+/// and buffers, so only rank 0's machine needs the file. Collective: call it on every
+/// rank before the Trainer; a failure is a ConfigError on every rank. Does nothing
+/// without --init-from. A --resume'd state file, when there is one, replaces it.
+void initModelFrom(torch::nn::Module& model, const CommonFlags& flags, Communicator& comm);
 
-/// --export: fails fast (hddp::ConfigError) when the file cannot be written, before
-/// any training; call it right after parsing.
-void checkExportPath(const CommonFlags& flags);
+/// --export: rank 0 checks that it can write the file's folder, before any training;
+/// collective (a ConfigError on every rank when it cannot).
+void checkExportPath(const CommonFlags& flags, Communicator& comm);
 
 /// --export: rank 0 writes the model's state dict (.safetensors, else torch.save's .pt,
 /// by extension) after training; the other ranks do nothing.

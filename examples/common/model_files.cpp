@@ -5,17 +5,18 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "example_common.h"
+#include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/train/state_dict.h"
 
 namespace hddp {
 namespace examples {
-
 namespace {
 
 // The model's state-dict keys (parameters, then buffers), without copying a tensor.
@@ -30,12 +31,26 @@ std::vector<std::string> stateDictKeys(const torch::nn::Module& model) {
   return keys;
 }
 
-}  // namespace
-
-void initModelFrom(torch::nn::Module& model, const CommonFlags& f) {
-  if (f.initFrom.empty()) {
-    return;
+// Runs `work` on rank 0 only and shares how it went (one allgather): every rank returns,
+// or every rank throws a ConfigError with rank 0's message, so that a failure there is
+// not a wait in the next collective on the others.
+void onRankZero(Communicator& comm, const std::function<void()>& work) {
+  std::string problem;
+  if (comm.rank() == 0) {
+    try {
+      work();
+    } catch (const c10::Error& e) {
+      problem = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
   }
+  const auto all = comm.allgatherBytes(std::vector<uint8_t>(problem.begin(), problem.end()));
+  const std::string decided(all[0].begin(), all[0].end());
+  HDDP_CHECK_AS(ConfigError, decided.empty(), comm.rank() == 0 ? "" : "on rank 0: ", decided);
+}
+
+void loadInto(torch::nn::Module& model, const CommonFlags& f) {
   const auto keys = stateDictKeys(model);
   size_t skipped = 0;
   for (const auto& key : keys) {
@@ -57,15 +72,28 @@ void initModelFrom(torch::nn::Module& model, const CommonFlags& f) {
                 skipped ? ", left " + std::to_string(skipped) + " out (--init-skip)" : "");
 }
 
-void checkExportPath(const CommonFlags& f) {
+}  // namespace
+
+void initModelFrom(torch::nn::Module& model, const CommonFlags& f, Communicator& comm) {
+  if (f.initFrom.empty()) {
+    return;
+  }
+  // Rank 0 reads the file (only its machine needs it); DDP's broadcast at construction
+  // gives every rank rank 0's parameters and buffers.
+  onRankZero(comm, [&] { loadInto(model, f); });
+}
+
+void checkExportPath(const CommonFlags& f, Communicator& comm) {
   if (f.exportPath.empty()) {
     return;
   }
-  const auto slash = f.exportPath.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : f.exportPath.substr(0, slash + 1);
-  HDDP_CHECK_AS(ConfigError, ::access(dir.c_str(), W_OK) == 0, "--export ", f.exportPath,
-                ": cannot write into ", dir, " (", std::strerror(errno),
-                "); create the folder or name another file");
+  onRankZero(comm, [&] {
+    const auto slash = f.exportPath.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : f.exportPath.substr(0, slash + 1);
+    HDDP_CHECK_AS(ConfigError, ::access(dir.c_str(), W_OK) == 0, "--export ", f.exportPath,
+                  ": cannot write into ", dir, " (", std::strerror(errno),
+                  "); create the folder or name another file");
+  });
 }
 
 void exportModel(const torch::nn::Module& model, const CommonFlags& f, int rank) {

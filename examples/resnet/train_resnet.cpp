@@ -191,8 +191,8 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
 
-  ex::checkExportPath(flags);
   auto ctx = ex::initRank(flags);
+  ex::checkExportPath(flags, *ctx.communicator);
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);  // identical initial weights on every rank (DDP checks)
   Data d =
@@ -210,7 +210,7 @@ int run(int argc, char** argv) {
   if (syncBn) {
     hddp::convertSyncBatchNorm(*net, *ctx.communicator);
   }
-  ex::initModelFrom(*net, flags);
+  ex::initModelFrom(*net, flags, *ctx.communicator);
   net->to(ctx.device);
   auto optimizer = ex::makeOptimizer(net->parameters(), flags);
   auto options = ex::trainerOptions(flags, ctx, d.train->size());

@@ -89,8 +89,8 @@ int run(int argc, char** argv) {
                 imageSize, " is not a multiple of 2^depth = ", int64_t{1} << depth,
                 "; pick a size divisible by it or a smaller --depth");
 
-  ex::checkExportPath(flags);
   auto ctx = ex::initRank(flags);
+  ex::checkExportPath(flags, *ctx.communicator);
   const int threads = ex::applyThreads(flags, ctx);
   torch::manual_seed(flags.seed);
   std::shared_ptr<const hddp::Dataset> train;
@@ -139,7 +139,7 @@ int run(int argc, char** argv) {
   mo.batchNorm = !noBatchNorm;
   mo.checkpointActivations = flags.checkpointActivations;
   hddp::models::UNet net(mo);
-  ex::initModelFrom(*net, flags);
+  ex::initModelFrom(*net, flags, *ctx.communicator);
   net->to(ctx.device);
   auto optimizer = ex::makeOptimizer(net->parameters(), flags);
   auto options = ex::trainerOptions(flags, ctx, train->size());

@@ -9,7 +9,8 @@
    BatchNorm statistics) saved by torch.save load into hddp's ResNets with the same
    logits;
 3. fine-tuning as a user starts it: a 1000-class torchvision model, saved by Python's
-   safetensors, starts train_resnet --init-from with --init-skip fc. (10 classes), and
+   safetensors, starts train_resnet --init-from with --init-skip fc. (10 classes) on 2
+   ranks, and
    --export's .safetensors holds its weights (fc new) and loads into torchvision's
    model through Python's safetensors, again with hddp's logits.
 """
@@ -99,9 +100,11 @@ def main():
     # 3. Fine-tuning from a 1000-class model through safetensors, with a new head.
     pre = torchvision.models.resnet18()  # 1000 classes, as ImageNet's weights
     save_file({k: v.contiguous() for k, v in pre.state_dict().items()}, f"{d}/pre.safetensors")
-    run([args.train_resnet, *common, "--max-steps", "1", "--lr", "1e-12", "--weight-decay", "0",
-         "--momentum", "0", "--init-from", f"{d}/pre.safetensors", "--init-skip", "fc.",
-         "--export", f"{d}/tuned.safetensors"])
+    # On 2 ranks: rank 0 reads the file, DDP gives rank 1 its weights.
+    run([args.hddp_run, "--nproc-per-node", "2", "--", args.train_resnet, *common, "--max-steps",
+         "1", "--lr", "1e-12", "--weight-decay", "0", "--momentum", "0", "--init-from",
+         f"{d}/pre.safetensors", "--init-skip", "fc.", "--export", f"{d}/tuned.safetensors"],
+        timeout=400)
     tuned = load_file(f"{d}/tuned.safetensors")
     pre_sd = pre.state_dict()
     kept = [k for k in pre_sd if not k.startswith("fc.") and "running" not in k
@@ -117,12 +120,20 @@ def main():
     ok, diff = same_logits(hddp_logits(args, d, "resnet18", 10, f"{d}/tuned.safetensors", x), want)
     check(ok, f"safetensors round trip: same logits (largest difference {diff:.2e})")
 
-    # A key prefix that matches nothing is an error, not a silent full load.
-    r = subprocess.run([args.train_resnet, *common, "--max-steps", "1", "--init-from",
-                        f"{d}/pre.safetensors", "--init-skip", "head."],
-                       capture_output=True, text=True, timeout=300)
-    check(r.returncode == 2 and "--init-skip head." in r.stderr,
-          f"--init-skip that matches nothing fails (exit {r.returncode})")
+    # A key prefix that matches nothing is an error on every rank, not a silent full load;
+    # so is an --export whose folder does not exist, before any training.
+    for flags, message in ((["--init-from", f"{d}/pre.safetensors", "--init-skip", "head."],
+                            "--init-skip head. matches none of the model's keys"),
+                           (["--export", f"{d}/missing/model.pt"], "create the folder")):
+        r = subprocess.run([args.hddp_run, "--nproc-per-node", "2", "--no-prefix", "--",
+                            args.train_resnet, *common, "--max-steps", "1", *flags],
+                           capture_output=True, text=True, timeout=300)
+        told = r.stderr.count(message)
+        check(r.returncode != 0 and told >= 1 and "step 1" not in r.stderr,
+              f"{flags[-2]} {flags[-1]}: an error before training "
+              f"(exit {r.returncode}, told by {told} rank(s))")
+        if told < 1:
+            print(r.stderr[-3000:])
     sys.exit(1 if failures else 0)
 
 

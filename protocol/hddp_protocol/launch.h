@@ -25,6 +25,11 @@ constexpr const char* kLauncherHddpRun = "hddp-run";
 /// --no-prefix, or rank 0's terminal): hddp's log lines then leave the rank out of their
 /// own prefix, so that it appears once.
 constexpr const char* kEnvRankPrefixed = "HDDP_RANK_PREFIXED";
+/// The TORCHELASTIC_RUN_ID hddp-run gave its ranks. HDDP_LAUNCHER and
+/// HDDP_RANK_PREFIXED describe the process only while TORCHELASTIC_RUN_ID still equals
+/// it: a launcher started under hddp-run (`hddp-run -- script.sh` running torchrun)
+/// passes them on to its own workers, but torchrun sets its own TORCHELASTIC_RUN_ID.
+constexpr const char* kEnvLauncherRunId = "HDDP_LAUNCHER_RUN_ID";
 /// "1" in an elastic job (hddp-run --nproc-per-node MIN:MAX).
 constexpr const char* kEnvElastic = "HDDP_ELASTIC";
 /// The rank's slot: its local device, stable across generations.

@@ -443,6 +443,23 @@ class C10dCommunicator final : public Communicator {
 
 }  // namespace
 
+Work Communicator::allreduce(at::Tensor&& tensor, const AllreduceOptions& options) {
+  // Decided from this rank's argument alone, before any collective, so that every rank
+  // passing the same kind of argument throws alike. A view shares its storage with the
+  // tensor it views; a fresh result or copy is the only one to see its own.
+  if (tensor.defined() && tensor.has_storage()) {
+    HDDP_CHECK_AS(ConfigError, tensor.storage().use_count() > 1,
+                  "allreduce of a temporary whose storage no other tensor sees (", tensor.sizes(),
+                  " ", tensor.scalar_type(), " on ", tensor.device(),
+                  "): the result would be lost with it (e.g. x * 2, at::ones(...), a "
+                  ".to()/.contiguous() of a tensor nothing else views). Reduce a named "
+                  "tensor (auto y = x.to(dev); comm.allreduce(y);) or a view of one "
+                  "(buffer.narrow(...)); for std::move(t), pass t");
+  }
+  at::Tensor& handle = tensor;
+  return allreduce(handle, options);
+}
+
 Work Communicator::reduce(at::Tensor& tensor, const ReduceOptions& options) {
   AllreduceOptions all(options.op);
   all.timeout = options.timeout;

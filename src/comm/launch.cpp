@@ -66,6 +66,16 @@ std::optional<int> firstCount(const std::string& name, const std::string& text) 
   return static_cast<int>(n);
 }
 
+// Whether hddp-run's own variables (HDDP_LAUNCHER, HDDP_RANK_PREFIXED) describe this
+// process: only while TORCHELASTIC_RUN_ID is still the one hddp-run set. A launcher
+// started under hddp-run (a script running torchrun) passes them on to its workers, but
+// sets its own TORCHELASTIC_RUN_ID; those workers are its, not hddp-run's.
+bool fromHddpRunItself(const EnvMap& env) {
+  const std::string* stamp = find(env, protocol::kEnvLauncherRunId);
+  const std::string* runId = find(env, protocol::kEnvRunId);
+  return stamp && runId && *stamp == *runId;
+}
+
 }  // namespace
 
 const char* launcherName(Launcher launcher) noexcept {
@@ -145,8 +155,9 @@ struct Parsed {
 Parsed fromTorchrun(const EnvMap& env) {
   Parsed p;
   const std::string* launcher = find(env, protocol::kEnvLauncher);
-  p.launcher =
-      launcher && *launcher == protocol::kLauncherHddpRun ? Launcher::HddpRun : Launcher::Torchrun;
+  p.launcher = launcher && *launcher == protocol::kLauncherHddpRun && fromHddpRunItself(env)
+                   ? Launcher::HddpRun
+                   : Launcher::Torchrun;
   p.rank = requiredInt(env, "RANK", "WORLD_SIZE is");
   p.world = requiredInt(env, "WORLD_SIZE", "RANK is");
   p.localRank = optionalInt(env, "LOCAL_RANK");
@@ -335,9 +346,8 @@ void readJob(const EnvMap& env, LaunchInfo& info) {
   if (const std::string* dir = find(env, protocol::kEnvElasticDir)) {
     info.elasticDir = *dir;
   }
-  if (const std::string* prefixed = find(env, protocol::kEnvRankPrefixed)) {
-    info.rankPrefixed = *prefixed == "1";
-  }
+  const std::string* prefixed = find(env, protocol::kEnvRankPrefixed);
+  info.rankPrefixed = prefixed && *prefixed == "1" && fromHddpRunItself(env);
 }
 
 }  // namespace

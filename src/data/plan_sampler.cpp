@@ -101,7 +101,11 @@ void PlanSampler::setEpoch(int64_t epoch) {
   HDDP_CHECK(epoch >= 0, "PlanSampler::setEpoch: epoch must be >= 0, got ", epoch);
   std::lock_guard<std::mutex> lock(shared_->mutex);
   shared_->nextEpoch = epoch;
-  shared_->resumeFrom.reset();
+  // PyTorch's habit, load() and then setEpoch(epoch) at the top of each epoch, resumes
+  // the loaded epoch where it stood; another epoch starts afresh.
+  if (shared_->resumeFrom && shared_->resumeFrom->epoch != epoch) {
+    shared_->resumeFrom.reset();
+  }
 }
 
 StepShare PlanSampler::stepOfBatch() {

@@ -36,19 +36,41 @@ void Reporter::startTensorBoard(const std::string& dir, int64_t firstStep) {
   if (rank_ != 0 || dir.empty()) {
     return;
   }
-  tensorboard_ = std::make_unique<TensorBoardWriter>(dir);
-  tensorboard_->markStart(firstStep);
-  tensorboard_->flush();
+  tensorboard_.reset();
+  auto tb = std::make_unique<TensorBoardWriter>(dir);
+  tb->markStart(firstStep);
+  tb->flush();
+  tensorboard_ = std::move(tb);
   planShown_ = false;
   HDDP_LOG_INFO("train", "TensorBoard events in ", tensorboard_->path(),
                 " (watch with: tensorboard --logdir ", dir, ")");
 }
 
+void Reporter::writeTensorBoard(const std::function<void(TensorBoardWriter&)>& write) {
+  if (!tensorboard_) {
+    return;
+  }
+  std::string why;
+  try {
+    write(*tensorboard_);
+    return;
+  } catch (const c10::Error& e) {
+    why = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  HDDP_LOG_ERROR("train", "TENSORBOARD OUTPUT STOPS HERE: ", why,
+                 ". This run writes nothing more to ", tensorboard_->path(),
+                 "; training goes on, and so do the metrics lines (TrainerOptions::metricsPath, "
+                 "--metrics)");
+  tensorboard_.reset();
+}
+
 // Rank 0's view of the step: the loss of its share, the global throughput, every rank's
 // share of the batch, its own step-time parts and memory; the split as text when the run
 // starts and whenever it changes.
-void Reporter::tensorBoardStep(const StepReport& r, double samplesPerSecond) {
-  TensorBoardWriter& tb = *tensorboard_;
+void Reporter::tensorBoardStep(TensorBoardWriter& tb, const StepReport& r,
+                               double samplesPerSecond) {
   const int64_t s = r.step;
   tb.addScalar("train/loss", r.loss, s);
   tb.addScalar("train/samples_per_s", samplesPerSecond, s);
@@ -159,9 +181,7 @@ void Reporter::step(const StepReport& r) {
     record["optimizer_state_bytes"] = r.optimizerStateBytes;
   }
   metrics_.write(record);
-  if (tensorboard_) {
-    tensorBoardStep(r, samplesPerSecond);
-  }
+  writeTensorBoard([&](TensorBoardWriter& tb) { tensorBoardStep(tb, r, samplesPerSecond); });
   std::ostringstream extra;
   extra << "  share " << r.localBatch << "/" << r.globalBatch;
   if (r.dataWaitSeconds > 0.05 * r.stepSeconds && r.stepSeconds > 0) {
@@ -184,19 +204,18 @@ void Reporter::epoch(const EpochReport& r) {
     record[k] = v;
   }
   metrics_.write(record);
-  if (tensorboard_) {
-    tensorboard_->addScalar("epoch/epoch", static_cast<double>(r.epoch + 1), r.step);
-    tensorboard_->addScalar("epoch/train_loss", r.trainLoss, r.step);
-    tensorboard_->addScalar("epoch/samples_per_s", r.seconds > 0 ? r.samples / r.seconds : 0.0,
-                            r.step);
+  writeTensorBoard([&](TensorBoardWriter& tb) {
+    tb.addScalar("epoch/epoch", static_cast<double>(r.epoch + 1), r.step);
+    tb.addScalar("epoch/train_loss", r.trainLoss, r.step);
+    tb.addScalar("epoch/samples_per_s", r.seconds > 0 ? r.samples / r.seconds : 0.0, r.step);
     if (r.peakMemoryBytes > 0) {
-      tensorboard_->addScalar("memory/rank0_epoch_peak_bytes", r.peakMemoryBytes, r.step);
+      tb.addScalar("memory/rank0_epoch_peak_bytes", r.peakMemoryBytes, r.step);
     }
     for (const auto& [k, v] : r.evaluation) {
-      tensorboard_->addScalar("eval/" + k, v, r.step);
+      tb.addScalar("eval/" + k, v, r.step);
     }
-    tensorboard_->flush();
-  }
+    tb.flush();
+  });
   std::ostringstream line;
   line.precision(4);
   line << "epoch " << r.epoch + 1 << "/" << r.epochs << ": train loss " << r.trainLoss;
@@ -223,12 +242,12 @@ void Reporter::evaluationAtStop(int64_t epoch, int64_t step,
   }
   line << " (split " << planText << ")";
   metrics_.write(record);
-  if (tensorboard_) {
+  writeTensorBoard([&](TensorBoardWriter& tb) {
     for (const auto& [k, v] : metrics) {
-      tensorboard_->addScalar("eval/" + k, v, step);
+      tb.addScalar("eval/" + k, v, step);
     }
-    tensorboard_->flush();
-  }
+    tb.flush();
+  });
   progress_->line(line.str());
 }
 
@@ -245,10 +264,10 @@ void Reporter::outOfMemory(const OutOfMemoryRecovery& recovery, int64_t epoch, i
   }
   record["failed"] = failed;
   metrics_.write(record);
-  if (tensorboard_) {
-    tensorboard_->addText("plan", recovery.message, step);
-    tensorboard_->flush();
-  }
+  writeTensorBoard([&](TensorBoardWriter& tb) {
+    tb.addText("plan", recovery.message, step);
+    tb.flush();
+  });
 }
 
 void Reporter::summary(const TrainSummary& s, const std::map<std::string, double>& evaluation) {
@@ -268,9 +287,7 @@ void Reporter::summary(const TrainSummary& s, const std::map<std::string, double
     record[k] = v;
   }
   metrics_.write(record);
-  if (tensorboard_) {
-    tensorboard_->flush();
-  }
+  writeTensorBoard([](TensorBoardWriter& tb) { tb.flush(); });
   std::ostringstream line;
   if (s.totalSteps != s.steps) {
     // A resumed run or a later generation of an elastic job: the job's step, and apart

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -76,6 +77,11 @@ class Reporter {
   void config(const nlohmann::json& config);
   /// Rank 0 opens a TensorBoard event file in `dir` ("" = none) for this fit(), whose
   /// first step is `firstStep` (TensorBoard drops what earlier files hold from there on).
+  /// Throws on rank 0 when it cannot (hddp::ConfigError for a folder or file it cannot
+  /// make): the caller tells the other ranks. Once open, a write that fails (a full
+  /// disk) throws nowhere: it is logged as an error and TensorBoard output stops for
+  /// the rest of the run, while training and the metrics lines go on (rank 0 alone
+  /// writes TensorBoard, and must not leave fit() while the others wait in a collective).
   void startTensorBoard(const std::string& dir, int64_t firstStep);
   void step(const StepReport& report);
   void epoch(const EpochReport& report);
@@ -86,7 +92,10 @@ class Reporter {
   void summary(const TrainSummary& summary, const std::map<std::string, double>& evaluation);
 
  private:
-  void tensorBoardStep(const StepReport& r, double samplesPerSecond);
+  void tensorBoardStep(TensorBoardWriter& tb, const StepReport& r, double samplesPerSecond);
+  // Runs `write` with the open TensorBoard writer (none open: nothing); a failure is
+  // logged and closes TensorBoard for the rest of the run (startTensorBoard).
+  void writeTensorBoard(const std::function<void(TensorBoardWriter&)>& write);
 
   int rank_ = 0;
   MetricsWriter metrics_;

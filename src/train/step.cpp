@@ -17,29 +17,18 @@
 namespace hddp {
 namespace {
 
-// The first parameter group's learning rate; -1 for an optimizer whose options hddp
-// does not know (the ones setLearningRate sets).
+// The first parameter group's learning rate, from its options' get_lr() (every LibTorch
+// optimizer's, and a custom one's that overrides it); -1 where get_lr() throws (the
+// options of a custom optimizer that does not).
 double learningRateOf(torch::optim::Optimizer& optimizer) {
   if (optimizer.param_groups().empty()) {
     return -1;
   }
-  const auto& o = optimizer.param_groups().front().options();
-  if (const auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(&o)) {
-    return sgd->lr();
+  try {
+    return optimizer.param_groups().front().options().get_lr();
+  } catch (const c10::Error&) {
+    return -1;
   }
-  if (const auto* adam = dynamic_cast<const torch::optim::AdamOptions*>(&o)) {
-    return adam->lr();
-  }
-  if (const auto* adamw = dynamic_cast<const torch::optim::AdamWOptions*>(&o)) {
-    return adamw->lr();
-  }
-  if (const auto* rmsprop = dynamic_cast<const torch::optim::RMSpropOptions*>(&o)) {
-    return rmsprop->lr();
-  }
-  if (const auto* adagrad = dynamic_cast<const torch::optim::AdagradOptions*>(&o)) {
-    return adagrad->lr();
-  }
-  return -1;
 }
 
 }  // namespace

@@ -5,6 +5,8 @@
 
 namespace hddp {
 
+bool tensorBoardAvailable() noexcept { return false; }
+
 class TensorBoardWriter::Impl {};
 
 TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
@@ -23,6 +25,7 @@ void TensorBoardWriter::addText(const std::string&, const std::string&, int64_t,
                                 std::optional<double>) {}
 void TensorBoardWriter::markStart(int64_t, std::optional<double>) {}
 void TensorBoardWriter::flush() {}
+bool TensorBoardWriter::failed() const { return false; }
 const std::string& TensorBoardWriter::path() const {
   static const std::string kNone;
   return kNone;

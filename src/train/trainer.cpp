@@ -6,6 +6,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <optional>
 #include <set>
@@ -21,6 +22,7 @@
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
 #include "hddp/train/state_file.h"
+#include "hddp/train/tensorboard.h"
 #include "train/model_device.h"
 #include "train/trainer_impl.h"
 
@@ -111,6 +113,11 @@ void checkOptions(const TrainerOptions& o, const Dataset* train, const Communica
                 comm.device().str(),
                 ": move the model to the rank's device (InitOptions::device, "
                 "--device, HDDP_DEVICE)");
+  HDDP_CHECK_AS(ConfigError, o.tensorboard.empty() || tensorBoardAvailable(),
+                "TrainerOptions::tensorboard (--tensorboard) names the folder ", o.tensorboard,
+                ", but this hddp was built without protobuf and cannot write TensorBoard event "
+                "files. Install libprotobuf-dev and protobuf-compiler (scripts/setup.sh does) "
+                "and build hddp again, or leave --tensorboard out");
   HDDP_CHECK_AS(ConfigError, o.amp != AmpMode::Fp16 || !device.is_cpu(),
                 "fp16 mixed precision needs a GPU (this rank's model is on ", device.str(),
                 "); on a CPU use bf16");
@@ -341,8 +348,21 @@ TrainSummary Trainer::Impl::fit() {
       /*append=*/run_.resumed || elastic_.restarts() > 0, options_.progress != ProgressMode::Off,
       options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
   reporter_.config(runConfig());
-  reporter_.startTensorBoard(options_.tensorboard, step_ + 1);
-  barrier();  // a common time zero for the timeline
+  // Rank 0 opens TensorBoard's file, and the barrier tells every rank whether it could:
+  // a folder it cannot write fails the run on every rank at once, rather than leave the
+  // others in the next collective until its timeout.
+  std::exception_ptr tensorBoardError;
+  try {
+    reporter_.startTensorBoard(options_.tensorboard, step_ + 1);
+  } catch (const std::exception&) {
+    tensorBoardError = std::current_exception();
+  }
+  const double ranksFailed = barrier(tensorBoardError ? 1 : 0);  // and a common time zero
+  if (tensorBoardError) {
+    std::rethrow_exception(tensorBoardError);
+  }
+  HDDP_CHECK_AS(ConfigError, ranksFailed == 0, "rank 0 could not open the TensorBoard folder ",
+                options_.tensorboard, " (its log says why)");
   timeline_.setOrigin(Clock::now());
   elastic_.startCommits(step_);
 
@@ -514,10 +534,11 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
   return stopAtEpochEnd ? EpochEnd::StopsTheRun : EpochEnd::Complete;
 }
 
-void Trainer::Impl::barrier() {
-  at::Tensor t = at::zeros({1}, at::TensorOptions().device(comm_.device()));
+double Trainer::Impl::barrier(double contribution) {
+  at::Tensor t = at::full({1}, contribution, at::TensorOptions().device(comm_.device()));
   comm_.allreduce(t).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
+  return t.cpu().item<double>();
 }
 
 Trainer::Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> model,

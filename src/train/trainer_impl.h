@@ -111,7 +111,8 @@ class Trainer::Impl {
   /// The user's evaluation, timed; an empty result keeps the last one.
   std::map<std::string, double> evaluate();
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
-  void barrier();
+  /// Blocks until every rank arrives; returns the sum of `contribution` over the ranks.
+  double barrier(double contribution = 0);
   train::StateParts stateParts();
   std::string saveMidEpoch();
 

@@ -69,6 +69,7 @@ TEST(Launch, HddpRunIsNamedAsItselfAndSaysWhetherItPrefixesTheRank) {
   EXPECT_EQ(torchrun.launcher, Launcher::Torchrun);
   EXPECT_FALSE(torchrun.rankPrefixed);
   env["HDDP_LAUNCHER"] = "hddp-run";
+  env["HDDP_LAUNCHER_RUN_ID"] = "hddp-4242";  // the TORCHELASTIC_RUN_ID hddp-run set
   env["HDDP_RANK_PREFIXED"] = "1";
   auto hddpRun = detectLaunch({}, env);
   EXPECT_EQ(hddpRun.launcher, Launcher::HddpRun);
@@ -76,6 +77,40 @@ TEST(Launch, HddpRunIsNamedAsItselfAndSaysWhetherItPrefixesTheRank) {
   EXPECT_EQ(hddpRun.rank, 1);
   EXPECT_TRUE(hddpRun.rankPrefixed);
   env["HDDP_RANK_PREFIXED"] = "0";  // --no-prefix, or rank 0's terminal
+  EXPECT_FALSE(detectLaunch({}, env).rankPrefixed);
+}
+
+// `hddp-run -- script.sh` where the script runs torchrun: torchrun's workers inherit
+// hddp-run's variables, but torchrun sets its own TORCHELASTIC_RUN_ID ("none" without
+// --rdzv-id). They are torchrun's ranks, and nobody prefixes their lines with their
+// rank (hddp-run tags all of them with the script's). Without a run id, or a stamp, the
+// variables do not count either.
+TEST(Launch, HddpRunsVariablesUnderANestedTorchrunAreTorchruns) {
+  EnvMap env = {{"RANK", "3"},
+                {"WORLD_SIZE", "4"},
+                {"MASTER_ADDR", "127.0.0.1"},
+                {"MASTER_PORT", "29400"},
+                {"HDDP_LAUNCHER", "hddp-run"},
+                {"HDDP_LAUNCHER_RUN_ID", "hddp-4242"},
+                {"HDDP_RANK_PREFIXED", "1"},
+                {"TORCHELASTIC_RUN_ID", "none"}};
+  for (const char* runId : {"none", "job-7", ""}) {
+    env["TORCHELASTIC_RUN_ID"] = runId;
+    const auto nested = detectLaunch({}, env);
+    EXPECT_EQ(nested.launcher, Launcher::Torchrun) << runId;
+    EXPECT_EQ(nested.rank, 3);
+    EXPECT_FALSE(nested.rankPrefixed) << runId;
+    EXPECT_FALSE(hddp::detectJob(env).rankPrefixed) << runId;
+  }
+  env.erase("TORCHELASTIC_RUN_ID");
+  EXPECT_EQ(detectLaunch({}, env).launcher, Launcher::Torchrun);
+  EXPECT_FALSE(detectLaunch({}, env).rankPrefixed);
+  env["TORCHELASTIC_RUN_ID"] = "hddp-4242";  // hddp-run's own rank
+  EXPECT_EQ(detectLaunch({}, env).launcher, Launcher::HddpRun);
+  EXPECT_TRUE(detectLaunch({}, env).rankPrefixed);
+  EXPECT_TRUE(hddp::detectJob(env).rankPrefixed);
+  env.erase("HDDP_LAUNCHER_RUN_ID");  // an hddp-run from before the stamp, or a hand-set one
+  EXPECT_EQ(detectLaunch({}, env).launcher, Launcher::Torchrun);
   EXPECT_FALSE(detectLaunch({}, env).rankPrefixed);
 }
 

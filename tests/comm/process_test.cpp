@@ -168,6 +168,25 @@ TEST(HddpRun, RunsRanksWithTorchrunEnvironmentAndPrefixedOutput) {
       << plain.output;
 }
 
+// A launcher started under hddp-run (here `env`, setting the TORCHELASTIC_RUN_ID that a
+// nested torchrun sets for its workers) inherits hddp-run's variables; its ranks are
+// not hddp-run's: they name the launcher torchrun and their rank in their own lines.
+TEST(HddpRun, RanksOfALauncherStartedUnderItAreNotItsOwn) {
+  auto r = runCommand("HDDP_LOG_LEVEL=info " + launcher() + " --nproc-per-node 2 -- env " +
+                      "TORCHELASTIC_RUN_ID=none " + worker() + " allreduce");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "] ";
+    EXPECT_NE(r.output.find(prefix + "sum=2 restart=0 launcher=torchrun"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("] " + prefix + "[hddp.comm] [info] rank " + std::to_string(rank) +
+                            "/2 (local " + std::to_string(rank) + "/2) from torchrun,"),
+              std::string::npos)
+        << r.output;
+  }
+  EXPECT_EQ(r.output.find("from hddp-run"), std::string::npos) << r.output;
+}
+
 TEST(HddpRun, DevicesGiveEachRankItsDeviceAndTheJobOneBackend) {
   auto r = runCommand(launcher() + " --devices cpu,CPU -- " + worker() + " allreduce");
   EXPECT_EQ(r.exitCode, 0) << r.output;

@@ -201,6 +201,62 @@ TEST(PlanSampler, ResumesMidEpochFromItsArchiveCountingOnlyTheBatchesHandedOut) 
   EXPECT_EQ(resumed.epoch(), 4);
 }
 
+// PyTorch's habit: load the archive, then setEpoch(epoch) at the top of each epoch. The
+// epoch loaded resumes where it stood (it used to restart at 0, training the first
+// samples twice); setEpoch to another epoch starts that one from its beginning.
+TEST(PlanSampler, SetEpochOfTheLoadedEpochKeepsThePositionAnotherDropsIt) {
+  const int64_t N = 23;
+  const BatchPlan plan = planOf({5});
+  std::vector<int64_t> first;
+  std::stringstream saved;
+  {
+    hddp::PlanSampler sampler(N, plan, 0);
+    sampler.setEpoch(3);
+    auto loader = makeLoader(N, sampler, 0);
+    auto it = loader->begin();
+    for (int step = 0; step < 2; ++step, ++it) {
+      const auto numbers = numbersIn((*it).data);
+      first.insert(first.end(), numbers.begin(), numbers.end());
+      sampler.stepOfBatch();
+    }
+    torch::serialize::OutputArchive archive;
+    sampler.save(archive);
+    archive.save_to(saved);
+  }
+  const auto restOfEpoch = [&](int64_t epochAfterLoad) {
+    hddp::PlanSampler resumed(N, plan, 0);
+    torch::serialize::InputArchive archive;
+    std::stringstream copy(saved.str());
+    archive.load_from(copy);
+    resumed.load(archive);
+    resumed.setEpoch(epochAfterLoad);
+    resumed.setEpoch(epochAfterLoad);  // twice, as a loop might: the same
+    std::vector<int64_t> rest;
+    auto loader = makeLoader(N, resumed, 0);
+    for (auto& batch : *loader) {
+      const auto numbers = numbersIn(batch.data);
+      rest.insert(rest.end(), numbers.begin(), numbers.end());
+      resumed.stepOfBatch();
+    }
+    EXPECT_EQ(resumed.epoch(), epochAfterLoad);
+    return rest;
+  };
+  std::vector<int64_t> seen = first;
+  const std::vector<int64_t> rest = restOfEpoch(3);
+  EXPECT_EQ(rest.size(), static_cast<size_t>(N - 10)) << "the loaded epoch restarted";
+  seen.insert(seen.end(), rest.begin(), rest.end());
+  std::sort(seen.begin(), seen.end());
+  std::vector<int64_t> all(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) {
+    all[static_cast<size_t>(i)] = i;
+  }
+  EXPECT_EQ(seen, all) << "exactly the samples the save had not used";
+  // Another epoch: the whole of it.
+  std::vector<int64_t> other = restOfEpoch(4);
+  std::sort(other.begin(), other.end());
+  EXPECT_EQ(other, all);
+}
+
 TEST(PlanSampler, MisuseIsAnErrorThatSaysWhatToDo) {
   hddp::PlanSampler sampler(10, planOf({4, 4}), 1);
   try {

@@ -9,9 +9,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "hddp/balance/cost_model.h"
@@ -261,7 +263,33 @@ TEST(TutorialPort, GlobalMeanLossWeighsEachRankBySamplesAndSkipsAnEmptyRank) {
   }
 }
 
-// Communicator::allreduce takes a temporary handle (a view of a buffer) and a const one.
+// A rank without samples checks its loss as the others do, before the collective: a
+// loss of the wrong shape (reduction "none": one number per sample, none here) fails on
+// every rank at once, where the rank without samples used to wait in the allreduce for
+// the others until its timeout. The ranks stay in step for the next call.
+TEST(TutorialPort, GlobalMeanLossChecksTheLossAlikeOnARankWithoutSamples) {
+  runThreads(2, [](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions options;
+    options.timeout = std::chrono::seconds(5);  // a rank left waiting fails, not hangs
+    auto comm = hddp::makeCommunicator(store, rank, size, options);
+    const int64_t local = rank == 0 ? 0 : 3;
+    const torch::Tensor perSample = torch::ones({local});  // reduction "none"
+    try {
+      hddp::globalMeanLoss(*comm, perSample, local);
+      ADD_FAILURE() << "rank " << rank << ": a loss of shape [" << local << "] was taken";
+    } catch (const hddp::TimeoutError& e) {
+      ADD_FAILURE() << "rank " << rank << " waited in the collective: " << e.what();
+    } catch (const hddp::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("must be one number"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+    EXPECT_DOUBLE_EQ(hddp::globalMeanLoss(*comm, torch::tensor(2.0), local), 2.0);
+  });
+}
+
+// Communicator::allreduce takes a const handle and a temporary view of a named tensor
+// (narrow, view, detach): the result lands in the named tensor.
 TEST(TutorialPort, AllreduceTakesATemporaryOrAConstHandle) {
   runThreads(2, [](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
@@ -271,6 +299,42 @@ TEST(TutorialPort, AllreduceTakesATemporaryOrAConstHandle) {
     comm->allreduce(tail.narrow(0, 4, 2), {hddp::ReduceOp::Max}).wait();
     EXPECT_TRUE(buffer.equal(torch::tensor({3.0, 3.0, 3.0, 3.0, 2.0, 2.0}, torch::kDouble)))
         << buffer;
+    comm->allreduce(buffer.view({2, 3})).wait();
+    comm->allreduce(buffer.detach()).wait();
+    EXPECT_TRUE(buffer.equal(torch::tensor({12.0, 12.0, 12.0, 12.0, 8.0, 8.0}, torch::kDouble)))
+        << buffer;
+  });
+}
+
+// A temporary that nothing else sees would take the result with it (e.g. a .to() that
+// copied: a GPU program losing what a CPU test kept). Every rank passing one throws
+// ConfigError before any collective, so the ranks stay in step; .to() and .contiguous()
+// that return the named tensor itself (here: same dtype, already contiguous) throw alike,
+// so a test on the CPU catches what would be lost on a GPU. Named tensors, non-const or
+// const, are reduced as before.
+TEST(TutorialPort, AllreduceOfATemporaryThatWouldLoseTheResultThrowsOnEveryRank) {
+  runThreads(2, [](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions options;
+    options.timeout = std::chrono::seconds(5);  // a mismatch fails, not hangs
+    auto comm = hddp::makeCommunicator(store, rank, size, options);
+    torch::Tensor named = torch::full({3}, float(rank + 1));
+    try {
+      comm->allreduce(torch::ones({3})).wait();
+      ADD_FAILURE() << "rank " << rank << ": allreduce of a fresh temporary was taken";
+    } catch (const hddp::ConfigError& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("the result would be lost"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+    EXPECT_THROW(comm->allreduce(named.to(torch::kDouble)), hddp::ConfigError);  // a copy
+    EXPECT_THROW(comm->allreduce(named.to(torch::kFloat)), hddp::ConfigError);   // named itself
+    EXPECT_THROW(comm->allreduce(named.contiguous()), hddp::ConfigError);
+    EXPECT_THROW(comm->allreduce(named * 2, {hddp::ReduceOp::Max}), hddp::ConfigError);
+    comm->allreduce(named).wait();  // the first collective of all: none was launched above
+    EXPECT_TRUE(named.equal(torch::full({3}, 3.0F))) << named;
+    const torch::Tensor& constNamed = named;
+    comm->allreduce(constNamed).wait();
+    EXPECT_TRUE(named.equal(torch::full({3}, 6.0F))) << named;
   });
 }
 

@@ -97,6 +97,7 @@ bool Group::start() {
     }
     // Elastic: the ranks are numbered afresh each generation; HDDP_SLOT keeps each one
     // on its slot's device (cuda:<slot>, or the slot's entry of --devices).
+    const std::string runId = "hddp-" + std::to_string(getpid());
     std::vector<std::string> env = {
         "RANK=" + std::to_string(rank.globalRank),
         "WORLD_SIZE=" + std::to_string(world),
@@ -107,8 +108,9 @@ bool Group::start() {
         "MASTER_PORT=" + std::to_string(port_),
         std::string(protocol::kEnvRestartCount) + "=" + std::to_string(restartCount_),
         "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(config_.maxRestarts),
-        std::string(protocol::kEnvRunId) + "=hddp-" + std::to_string(getpid()),
+        std::string(protocol::kEnvRunId) + "=" + runId,
         std::string(protocol::kEnvLauncher) + "=" + protocol::kLauncherHddpRun,
+        std::string(protocol::kEnvLauncherRunId) + "=" + runId,
         // Set either way, so that a value from an outer hddp-run is not inherited.
         std::string(protocol::kEnvRankPrefixed) + "=" + (tty || config_.noPrefix ? "0" : "1"),
     };

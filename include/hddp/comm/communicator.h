@@ -105,16 +105,27 @@ class Communicator {
 
   /// In-place allreduce of one tensor. Avg on Gloo is a sum divided on wait().
   virtual Work allreduce(at::Tensor& tensor, const AllreduceOptions& options = {}) = 0;
-  /// The same through any handle: a temporary (`comm.allreduce(flat.narrow(0, 0, n))`,
-  /// `comm.allreduce(t.view({-1}))`) or a const reference. at::Tensor is a handle, so
+  /// The same through a const handle (`const at::Tensor& t`). at::Tensor is a handle, so
   /// the result lands in the storage it views (the Work keeps that alive until it
-  /// completes), and is read through any other handle to it; LibTorch's in-place methods
-  /// are const for the same reason. A temporary that owns its storage alone
-  /// (`comm.allreduce(x * 2)`) leaves its result nowhere: reduce a named tensor then.
+  /// completes) and is read through any other handle to it; LibTorch's in-place methods
+  /// are const for the same reason.
   Work allreduce(const at::Tensor& tensor, const AllreduceOptions& options = {}) {
     at::Tensor handle = tensor;
     return allreduce(handle, options);
   }
+  /// The same through a temporary that views a tensor someone else holds: a view of a
+  /// named buffer (`comm.allreduce(flat.narrow(0, 0, n))`, `comm.allreduce(t.view({-1}))`,
+  /// `t.detach()`) is reduced in place there. A temporary whose storage no other tensor
+  /// sees would take the result with it: `comm.allreduce(x * 2)`, `at::ones(...)`, a
+  /// `t.to(...)` or `t.contiguous()` that copied, and, so that these fail alike whether
+  /// or not they copied, one that returned `t` itself while nothing else views t's
+  /// storage. Those throw hddp::ConfigError before any collective: reduce a named tensor
+  /// (`auto y = x.to(dev); comm.allreduce(y);`) or a view of one. `std::move(t)` counts
+  /// as such a temporary: pass `t`. A view of a temporary (`at::ones(...).narrow(...)`)
+  /// is not told apart from a view of a named tensor. The check looks at each rank's own
+  /// argument: a program that passes such a temporary on some ranks only is wrong on
+  /// those, and the other ranks' collective waits for them until its timeout.
+  Work allreduce(at::Tensor&& tensor, const AllreduceOptions& options = {});
   /// In-place allreduce of several tensors of one dtype and device, coalesced into
   /// one flat buffer (one collective instead of one per tensor).
   virtual Work allreduceCoalesced(std::vector<at::Tensor>& tensors,

@@ -23,8 +23,10 @@ class Communicator;
 /// A collective: every rank calls it, in the same order as its other collectives (one
 /// allreduce of two float64 numbers); blocks until the result is on the host. For
 /// reporting: nothing is differentiated (backward goes through each rank's own mean).
-/// NaN when no rank has a sample. Throws hddp::Error when `localBatch` < 0 or the loss
-/// of a rank with samples is not one number.
+/// NaN when no rank has a sample. Throws hddp::Error, before the collective, when
+/// `localBatch` < 0 or the loss is a tensor that is not one number, whatever localBatch
+/// (so that a loss of the wrong shape fails on every rank, the one without samples too),
+/// or undefined on a rank with samples.
 double globalMeanLoss(Communicator& comm, const at::Tensor& localMeanLoss, int64_t localBatch);
 /// The same for a loss already on the host (e.g. a sum over an evaluation divided by
 /// this rank's sample count).

@@ -7,8 +7,10 @@
 // SLURM_NTASKS_PER_NODE, SLURM_LAUNCH_NODE_IPADDR or the first host of
 // SLURM_JOB_NODELIST); Open MPI (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK,
 // _LOCAL_SIZE). With none of them: a single process (rank 0 of 1). hddp-run sets
-// torchrun's variables and HDDP_LAUNCHER=hddp-run, and is reported as hddp-run. These
-// are pure functions of an environment map.
+// torchrun's variables and HDDP_LAUNCHER=hddp-run, and is reported as hddp-run (only
+// while TORCHELASTIC_RUN_ID is the one hddp-run set, HDDP_LAUNCHER_RUN_ID: a torchrun
+// started under hddp-run sets its own, and its workers are torchrun's). These are pure
+// functions of an environment map.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -24,7 +26,7 @@
 namespace hddp {
 
 /// Where the launch information came from. HddpRun: torchrun's variables, set by hddp-run
-/// (HDDP_LAUNCHER=hddp-run).
+/// (HDDP_LAUNCHER=hddp-run, with HDDP_LAUNCHER_RUN_ID equal to TORCHELASTIC_RUN_ID).
 enum class Launcher { Explicit, Torchrun, Slurm, OpenMpi, Single, HddpRun };
 const char* launcherName(Launcher launcher) noexcept;
 
@@ -53,7 +55,9 @@ struct LaunchInfo {
   /// torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE=True).
   bool useAgentStore = false;
   /// The launcher starts each line of this rank's stderr with its rank (hddp-run:
-  /// HDDP_RANK_PREFIXED=1); initFromEnv() then leaves it out of hddp's log lines.
+  /// HDDP_RANK_PREFIXED=1, with HDDP_LAUNCHER_RUN_ID equal to TORCHELASTIC_RUN_ID, so
+  /// that a nested torchrun's workers do not take it); initFromEnv() then leaves it out
+  /// of hddp's log lines.
   bool rankPrefixed = false;
   Launcher launcher = Launcher::Single;
 };

@@ -38,7 +38,7 @@
 //   SamplerOptions::dropLast instead.
 // - Each pass over the loader (its begin()) calls reset(), which starts the next epoch
 //   (the first pass: epoch 0), or the epoch setEpoch() named, or the position load()
-//   restored.
+//   restored (also after a setEpoch() of the epoch loaded).
 //
 // Copies share one state: make_data_loader takes the sampler by value, and the object
 // the program keeps still sets the plan and reads the steps of the loader's copy (a
@@ -78,7 +78,10 @@ class PlanSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
   /// The plan for the steps asked for from now on (replaces the planner, if any). Every
   /// rank makes the same call at the same step.
   void setPlan(const BatchPlan& plan);
-  /// The next reset() (the loader's next pass) starts `epoch`.
+  /// The next reset() (the loader's next pass) starts `epoch`. After load(), the epoch
+  /// loaded keeps its position (PyTorch's habit: load, then setEpoch(epoch) at the top
+  /// of each epoch resumes where the save stood); another epoch drops the position and
+  /// starts from its beginning.
   void setEpoch(int64_t epoch);
 
   /// The step of the next batch the loader hands out: call it once per batch, in the

@@ -19,12 +19,24 @@
 
 namespace hddp {
 
+/// Whether this hddp can write event files (it was built with protobuf; without it the
+/// TensorBoardWriter constructor throws hddp::ConfigError, and the Trainer refuses
+/// TrainerOptions::tensorboard on every rank).
+bool tensorBoardAvailable() noexcept;
+
 /// Writes one event file in a folder.
 ///
-/// Records reach the file at every flush(), by themselves when the last flush is more
-/// than 2 s old, and at destruction, so a live TensorBoard sees them. A failed write or
-/// flush throws hddp::Error naming the file (nothing is lost silently); the destructor
-/// logs a failure instead of throwing.
+/// Records are buffered in memory and reach the file (one write(2) for all of them):
+/// at every flush(); at the end of an add* call once the last flush is more than 2 s
+/// old or 64 KiB are waiting; and at destruction. Records added within 2 s of a flush stay
+/// buffered until one of those: call flush() after a burst (the Trainer does after
+/// every step) for a live TensorBoard to see it at once.
+///
+/// A write that fails (a full disk) throws hddp::Error naming the file, cuts the file
+/// back to its last whole record, and leaves the writer failed: every later add* and
+/// flush() throws hddp::Error too, so nothing is appended after a torn record and
+/// nothing is lost silently. The destructor flushes, and logs a failure instead of
+/// throwing.
 ///
 /// Thread safety: not thread-safe; one thread uses a writer (or callers serialize).
 /// Ownership: the writer owns its open file; moving it moves the file.
@@ -54,8 +66,10 @@ class TensorBoardWriter {
   /// the folder hold at `step` and after, so a resumed run that repeats steps shows
   /// each once (TensorFlow's SessionLog START).
   void markStart(int64_t step, std::optional<double> wallTime = std::nullopt);
-  /// Writes what is buffered to the file (fflush); throws hddp::Error on failure.
+  /// Writes what is buffered to the file; throws hddp::Error on failure (and after one).
   void flush();
+  /// Whether a write failed (every later add* and flush() throws).
+  bool failed() const;
   /// The event file's path.
   const std::string& path() const;
 

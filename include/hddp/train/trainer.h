@@ -123,7 +123,10 @@ struct TrainerOptions {
   /// default). Rank 0 writes one file per fit() at the global step: the training loss
   /// of its share, samples/s, learning rate, every rank's share of the batch, its own
   /// step-time parts and memory, the epochs' loss and evaluation, and the split as
-  /// text when it changes (hddp/train/tensorboard.h; docs/train.md).
+  /// text when it changes (hddp/train/tensorboard.h; docs/train.md). A folder rank 0
+  /// cannot write fails fit() on every rank with hddp::ConfigError (and an hddp built
+  /// without protobuf refuses the option in the constructor); a write that fails later
+  /// is logged and ends TensorBoard output only, not the run.
   std::string tensorboard;
   ProgressMode progress = ProgressMode::Auto;
   /// Directory for state files; "" = never save. Default "".

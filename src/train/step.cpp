@@ -19,14 +19,16 @@ namespace {
 
 // The first parameter group's learning rate, from its options' get_lr() (every LibTorch
 // optimizer's, and a custom one's that overrides it); -1 where get_lr() throws (the
-// options of a custom optimizer that does not).
-double learningRateOf(torch::optim::Optimizer& optimizer) {
-  if (optimizer.param_groups().empty()) {
+// options of a custom optimizer that does not). `unknown` remembers that, so such an
+// optimizer costs one exception per run, not one per step.
+double learningRateOf(torch::optim::Optimizer& optimizer, bool& unknown) {
+  if (unknown || optimizer.param_groups().empty()) {
     return -1;
   }
   try {
     return optimizer.param_groups().front().options().get_lr();
   } catch (const c10::Error&) {
+    unknown = true;
     return -1;
   }
 }
@@ -248,7 +250,7 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   r.transferSeconds = lastStep_.transferSeconds;
   r.emulatedSeconds = lastStep_.emulatedSeconds;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
-  r.learningRate = learningRateOf(optimizer_);
+  r.learningRate = learningRateOf(optimizer_, learningRateUnknown_);
   r.stepped = stepped;
   r.plan = batch.share.plan.local;
   if (lastStep_.newPlan) {

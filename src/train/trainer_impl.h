@@ -195,6 +195,7 @@ class Trainer::Impl {
     double transferSeconds = 0;   // the newest measured input transfer (0: none)
     double emulatedSeconds = 0;   // the emulator's sleep after the step (0: none)
   } lastStep_;
+  bool learningRateUnknown_ = false;  // the optimizer's options have no get_lr()
 
   /// The time budget (TrainerOptions::timeBudgetSeconds), the job's: a launcher's
   /// restart carries it on.

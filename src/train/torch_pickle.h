@@ -11,6 +11,10 @@
 namespace hddp {
 namespace train {
 
+/// torch.save's storage type names (FloatStorage, ...) and the dtypes hddp reads and
+/// writes them as.
+const std::vector<std::pair<std::string, at::ScalarType>>& torchStorageTypes();
+
 /// The bytes torch.save(OrderedDict(tensors), f) would write (a zip archive with a
 /// protocol-2 pickle): torch.load(f, weights_only=True) returns the dict.
 std::string torchSaveBytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors);

@@ -68,8 +68,8 @@ const char* kindName(OptimizerKind kind) {
 }  // namespace zero
 
 using zero::bytesOf;
-using zero::kindOf;
 using zero::kindName;
+using zero::kindOf;
 using zero::stateTensorBytes;
 
 int64_t optimizerStateBytes(const torch::optim::Optimizer& optimizer) {
@@ -115,8 +115,12 @@ ShardedOptimizer::Impl::Impl(DistributedDataParallel& ddp, torch::optim::Optimiz
   layout_ = shardLayout(numels, weights);
   checkRanksAgree();
   const int rank = comm_.rank();
-  // Cut the optimizer down to this rank's shard; state of other parameters goes.
-  for (auto& group : optimizer_.param_groups()) {
+  // Cut the optimizer down to this rank's shard; state of other parameters goes. Which
+  // group held each parameter is kept: state files record it for every shard.
+  groupOf_.assign(params_.size(), -1);
+  auto& groups = optimizer_.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto& group = groups[g];
     std::vector<at::Tensor> kept;
     for (const auto& p : group.params()) {
       const auto found = index.find(p.unsafeGetTensorImpl());
@@ -124,6 +128,7 @@ ShardedOptimizer::Impl::Impl(DistributedDataParallel& ddp, torch::optim::Optimiz
                     "ShardedOptimizer: the optimizer holds a tensor of shape ", p.sizes(),
                     " that DistributedDataParallel does not synchronize (frozen, or not in "
                     "the model); build the optimizer from the model's trainable parameters");
+      groupOf_[static_cast<size_t>(found->second)] = static_cast<int>(g);
       if (layout_.owner[static_cast<size_t>(found->second)] == rank) {
         kept.push_back(p);
       } else {

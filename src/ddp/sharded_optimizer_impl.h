@@ -6,6 +6,7 @@
 #pragma once
 
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
 
 #include <memory>
 #include <string>
@@ -45,6 +46,11 @@ class ShardedOptimizer::Impl {
   // ---- the state file's part (sharded_optimizer_state.cpp) ---------------------------
   std::vector<uint8_t> saveShard() const;
   void loadShards(const std::vector<std::vector<uint8_t>>& parts);
+  /// Checks the parameter groups the parts recorded against this optimizer's (their
+  /// number, and each parameter's group by name) and returns the saved options of each
+  /// group; empty for parts saved before they recorded groups. StateError on a mismatch.
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> savedGroups(
+      std::vector<torch::serialize::InputArchive>& archives) const;
 
   DistributedDataParallel& ddp_;
   Communicator& comm_;
@@ -54,6 +60,9 @@ class ShardedOptimizer::Impl {
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   std::unordered_map<std::string, int> byName_;
+  /// The optimizer's parameter group of each parameter as the user built it (before the
+  /// cut to this shard); -1: in none (DDP synchronizes it, this optimizer does not step it).
+  std::vector<int> groupOf_;
   ShardLayout layout_;
 };
 

@@ -24,7 +24,8 @@
 //   (whole tensors: an optimizer needs a tensor whole), holding close to weights[r] /
 //   sum(weights) of all elements. A rank may own nothing.
 // - The wrapped optimizer's parameter groups are cut down to this rank's shard, so it
-//   creates state only for it; its options (learning rate, ...) stay the user's to set.
+//   creates state only for it; its options (learning rate, ...) stay the user's to set,
+//   and state files keep them as optimizer.save() does (saveShard / loadShards).
 // - DDP reduces each gradient bucket to the bucket's owner (Communicator::reduce):
 //   after backward the owner holds the gradient of the whole global batch, weighted as
 //   always (b_i / B), and the other ranks hold zeros (stage 1) or nothing (stage 2:
@@ -162,11 +163,19 @@ class ShardedOptimizer {
   int64_t stateBytes() const;
 
   /// This rank's optimizer state, keyed by parameter name (and index) with each
-  /// parameter's size: one part of a state file. Host bytes.
+  /// parameter's size, and what optimizer.save() keeps beside it: every parameter
+  /// group's options (learning rate, momentum, betas, eps, weight decay, nesterov,
+  /// amsgrad) and the group of each parameter of the shard. One part of a state file.
+  /// Host bytes.
   std::vector<uint8_t> saveShard() const;
   /// Takes this rank's parameters' state out of every part saved by saveShard() (by any
-  /// number of ranks with any layout: N parts into this layout). A parameter that no
-  /// part holds starts without state. StateError on a part that does not fit the model.
+  /// number of ranks with any layout: N parts into this layout), and sets every group's
+  /// options to the saved ones, as optimizer.load() does (on every rank, a rank without
+  /// a shard included). A parameter that no part holds starts without state. StateError,
+  /// with the optimizer left as it was, on a part that does not fit the model or was
+  /// saved with other parameter groups (another number of groups, or a parameter in
+  /// another group). Parts written before groups were kept load with the program's
+  /// options, and a warning says so.
   void loadShards(const std::vector<std::vector<uint8_t>>& parts);
 
   class Impl;

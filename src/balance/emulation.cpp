@@ -14,6 +14,7 @@
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/core/step_timer.h"
 #include "hddp_protocol/launch.h"
 
 namespace hddp {
@@ -227,11 +228,20 @@ void EmulationOptions::validate(int rank) const {
       " B; give a fixed part >= 0, a per-sample part > 0 and a total above the fixed part");
 }
 
-Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep)
-    : options_(options), sleep_(std::move(sleep)) {
+Emulator::Emulator(EmulationOptions options, int rank, Sleep sleep, Clocks clocks)
+    : options_(options), sleep_(std::move(sleep)), clocks_(std::move(clocks)) {
   options_.validate(rank);
   if (!sleep_) {
     sleep_ = [](std::chrono::duration<double> d) { std::this_thread::sleep_for(d); };
+  }
+  if (!clocks_.now) {
+    clocks_.now = [] {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+    };
+  }
+  if (!clocks_.queued) {
+    clocks_.queued = threadQueuedSeconds;
   }
   if (options_.active()) {
     HDDP_LOG_WARN(
@@ -276,6 +286,13 @@ void Emulator::checkMemory(int64_t samples) const {
 }
 
 double Emulator::apply(double computeSeconds, int64_t bytesMoved, double queuedSeconds) {
+  return stretchStep(computeSeconds, bytesMoved, queuedSeconds, 0.0);
+}
+
+// The step's extra time on the emulated card and link; sleeps what `alreadySlept` (the
+// marks, during the step) has not. Returns the emulated step's compute seconds.
+double Emulator::stretchStep(double computeSeconds, int64_t bytesMoved, double queuedSeconds,
+                             double alreadySlept) {
   if (!options_.active()) {
     return computeSeconds;
   }
@@ -284,10 +301,68 @@ double Emulator::apply(double computeSeconds, int64_t bytesMoved, double queuedS
   if (options_.linkBytesPerSecond > 0 && bytesMoved > 0) {
     extra += static_cast<double>(bytesMoved) / options_.linkBytesPerSecond;
   }
+  if (extra > alreadySlept) {
+    sleep_(std::chrono::duration<double>(extra - alreadySlept));
+  }
+  // The marks measured compute the timer also saw, at most (slowdown - 1) x it, so they
+  // never sleep more than `extra`, but for a queue read on another thread.
+  return computeSeconds + std::max(extra, alreadySlept);
+}
+
+void Emulator::beginStep(int64_t step, int64_t samples) {
+  open_ = options_.slowdown > 1.0 && samples > 0;
+  slept_.erase(step);  // a repeated step starts afresh
+  if (!open_) {
+    return;
+  }
+  openStep_ = step;
+  slept_[step] = 0.0;
+  mark();
+}
+
+void Emulator::endForward() {
+  if (open_) {
+    stretchSinceMark();
+  }
+}
+
+void Emulator::beforeBucketLaunch(int /*bucket*/) {
+  if (open_) {
+    stretchSinceMark();
+  }
+}
+
+double Emulator::sleptInStep(int64_t step) const {
+  const auto it = slept_.find(step);
+  return it == slept_.end() ? 0.0 : it->second;
+}
+
+void Emulator::mark() {
+  lastMark_ = clocks_.now();
+  lastQueued_ = clocks_.queued();
+  lastThread_ = std::this_thread::get_id();
+}
+
+// The compute since the previous mark, as the slower card takes it longer: its time
+// queued for a core left out where the same thread read both marks (a device's
+// backward runs on the autograd engine's own thread, whose queue says nothing of the
+// training thread's).
+double Emulator::stretchSinceMark() {
+  const double now = clocks_.now();
+  double own = now - lastMark_;
+  if (std::this_thread::get_id() == lastThread_ && lastQueued_ >= 0) {
+    const double queued = clocks_.queued();
+    if (queued >= lastQueued_) {
+      own -= queued - lastQueued_;
+    }
+  }
+  const double extra = (options_.slowdown - 1.0) * std::max(0.0, own);
   if (extra > 0) {
     sleep_(std::chrono::duration<double>(extra));
+    slept_[openStep_] += extra;
   }
-  return computeSeconds + extra;
+  mark();  // the next part starts where this one's stretched end is
+  return extra;
 }
 
 Emulator::Measured Emulator::measure(const StepTiming& timing) {
@@ -295,14 +370,27 @@ Emulator::Measured Emulator::measure(const StepTiming& timing) {
   StepMeasurement& m = out.measurement;
   m.samples = timing.label.samples;
   m.bytes = timing.label.bytes;
-  m.computeSeconds = timing.computeSeconds();
+  // The marks' sleeps lie inside the timer's span and count there as compute: take them
+  // out, then stretch the real compute and sleep what the marks have not.
+  double slept = 0.0;
+  for (auto it = slept_.begin(); it != slept_.end() && it->first <= timing.label.step;) {
+    if (it->first == timing.label.step) {
+      slept = it->second;
+    }
+    it = slept_.erase(it);  // older ones were never measured (dropped steps)
+  }
+  if (open_ && openStep_ <= timing.label.step) {
+    open_ = false;
+  }
+  m.computeSeconds = std::max(0.0, timing.computeSeconds() - slept);
   m.fixedSeconds = timing.tailSeconds;
   // The input copy as the copy stream's events timed it (a device rank; 0 on CPU).
   m.transferSeconds = timing.transferSeconds;
   double emulatedTransfer = 0.0;
   if (active() && m.samples > 0) {
     const double before = m.computeSeconds;
-    const double total = apply(m.computeSeconds, m.bytes, timing.queuedSeconds);
+    const double total =
+        stretchStep(m.computeSeconds, m.bytes, std::min(timing.queuedSeconds, before), slept);
     out.emulatedSeconds = total - before;
     emulatedTransfer = transferSeconds(m.bytes);
     m.computeSeconds = total - emulatedTransfer;

@@ -175,6 +175,9 @@ void DistributedDataParallel::Impl::markReady(int index, bool duringBackward) {
 void DistributedDataParallel::Impl::launchReadyBuckets(bool duringBackward) {
   while (nextBucket_ < static_cast<int>(buckets_.size()) && buckets_[nextBucket_].pending == 0) {
     Bucket& b = buckets_[nextBucket_];
+    if (options_.beforeBucketLaunch) {
+      options_.beforeBucketLaunch(nextBucket_);
+    }
     b.launchedAt = ddp::Clock::now();
     const bool isLast = nextBucket_ + 1 == static_cast<int>(buckets_.size());
     GradBucket bucket;

@@ -48,6 +48,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   StepClock clock;
   clock.start = Clock::now();
   timer_->start(StepLabel{step_, batch.share.localBatch, batch.bytes});
+  emulator_->beginStep(step_, batch.share.localBatch);  // an emulated slower card's marks
   timer_->copySpan(batch.copyStarted, batch.copied);
   memory_.beginStep();
   const std::string outOfMemory = forwardAndBackward(batch, clock);
@@ -98,6 +99,7 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
       emulator_->checkMemory(local);
       lastStep_.loss = loss_(output, batch.target);
     }
+    emulator_->endForward();  // a slower card's forward: nothing overlaps it
     clock.forwardEnd = Clock::now();
     timeline_.add("forward", clock.start, clock.forwardEnd, step_, Track::Training, local);
     scaler_->scale(lastStep_.loss).backward();
@@ -179,10 +181,11 @@ void Trainer::Impl::measureMemory(int64_t local) {
 }
 
 // This rank's compute seconds (time waiting for communication left out; an emulated
-// slower card or link adds its extra time here, the one place emulation stretches a
-// step), given to the planner, which may re-split the next steps. The step timer hands
-// over the steps it has finished measuring: this one on the host clock, usually the
-// previous one with device events. Returns the newest compute seconds (0: none yet).
+// slower card or link adds here what its marks in forward and before each bucket have
+// not slept already, hddp/balance/emulation.h), given to the planner, which may re-split
+// the next steps. The step timer hands over the steps it has finished measuring: this
+// one on the host clock, usually the previous one with device events. Returns the
+// newest compute seconds (0: none yet).
 double Trainer::Impl::measureAndReplan() {
   for (const auto& bucket : detail::DdpAccess::bucketTimes(*ddp_)) {
     timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,

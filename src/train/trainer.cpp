@@ -251,6 +251,18 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   if (autoCompress) {
     ddpOptions.compression = GradCompression::None;
   }
+  emulator_ = std::make_unique<Emulator>(emulation, rank);
+  if (emulation.slowdown != 1.0) {
+    // An emulated slower card sends each bucket when it would have computed it: its
+    // stretched backward overlaps the allreduce as a real one does.
+    ddpOptions.beforeBucketLaunch = [this,
+                                     user = std::move(ddpOptions.beforeBucketLaunch)](int bucket) {
+      emulator_->beforeBucketLaunch(bucket);
+      if (user) {
+        user(bucket);
+      }
+    };
+  }
   ddp_ = std::make_unique<DistributedDataParallel>(model_, comm_, ddpOptions);
   const bool seeded = options_.balance && options_.seedPlan;
   std::vector<RankCost> seed;
@@ -296,7 +308,6 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   lo.sampler.seed = options_.seed;
   lo.sampler.minLocalBatch = std::max(lo.sampler.minLocalBatch, options_.planner.minLocalBatch);
   loader_ = std::make_unique<PrefetchLoader>(std::move(train), rank, lo);
-  emulator_ = std::make_unique<Emulator>(emulation, rank);
   timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
   HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
   // Every collective's wait in a step is waiting, not compute: SyncBatchNorm's in

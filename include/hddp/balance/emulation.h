@@ -17,7 +17,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hddp/balance/estimator.h"
@@ -103,11 +105,38 @@ double slowestEmulatedLink(const std::vector<double>& gbpsPerRank);
 std::vector<int64_t> parseRankCaps(const std::string& variable, const std::string& text,
                                    int worldSize);
 
+/// Sleeps what an emulated rank would take longer than this one.
+///
+/// A slowed-down rank's extra compute is spread over the step as a slower card spends it:
+/// the Trainer marks the step's start (beginStep), the end of forward (endForward) and,
+/// through DdpOptions::beforeBucketLaunch, the moment each gradient bucket is about to
+/// be sent (beforeBucketLaunch); each mark sleeps (slowdown - 1) x the compute since the
+/// previous one. So a bucket leaves when the slower card would have computed its
+/// gradients, and its allreduce overlaps the rest of the stretched backward as on real
+/// hardware (sleeping all of it after the step made the buckets leave early and together
+/// and overstated the exposed communication wait). measure() then sleeps what remains
+/// of the step's extra time (the part after the last bucket, the optimizer step, the
+/// emulated link): the marks' sleeps lie inside the step timer's span and count there as
+/// compute, so measure() takes them out before stretching; the planner learns
+/// slowdown x the real compute, the same sum as without marks. Without beginStep (a
+/// hand-written loop that calls measure() or apply() only) the whole extra time is
+/// slept after the step.
+///
+/// Thread safety: one step at a time. The bucket marks run on the autograd engine's
+/// thread while the training thread waits in backward; nothing else may call it
+/// concurrently. Movable, not shared.
 class Emulator {
  public:
   using Sleep = std::function<void(std::chrono::duration<double>)>;
+  /// What the marks read: `now`, seconds on a steady clock; `queued`, the calling
+  /// thread's seconds spent ready to run with no core free (threadQueuedSeconds();
+  /// negative: unknown), which is not stretched. Empty: the real ones; tests pass their own.
+  struct Clocks {
+    std::function<double()> now;
+    std::function<double()> queued;
+  };
   /// `sleep` defaults to std::this_thread::sleep_for; tests pass their own.
-  explicit Emulator(EmulationOptions options, int rank = 0, Sleep sleep = {});
+  explicit Emulator(EmulationOptions options, int rank = 0, Sleep sleep = {}, Clocks clocks = {});
 
   bool active() const { return options_.active(); }
   /// After a step that computed for `computeSeconds` and moved `bytesMoved` input
@@ -128,7 +157,21 @@ class Emulator {
     /// The emulated extra time slept (0: none).
     double emulatedSeconds = 0;
   };
+  /// Takes out the time the marks slept in the step (it lies in the step timer's span)
+  /// and sleeps only the remainder of the step's extra time.
   Measured measure(const StepTiming& timing);
+
+  /// Step `step` (the StepLabel the step timer is given) starts now with `samples` local
+  /// samples; opens the marks below when the rank is slowed down and has samples. A
+  /// step begun again (a repeat after an out-of-memory abandon) starts afresh.
+  void beginStep(int64_t step, int64_t samples);
+  /// Forward ended: sleeps (slowdown - 1) x forward's compute (nothing overlaps it).
+  void endForward();
+  /// DDP's bucket `bucket` is about to be sent (DdpOptions::beforeBucketLaunch): sleeps
+  /// (slowdown - 1) x the compute since the previous mark.
+  void beforeBucketLaunch(int bucket);
+  /// Seconds the marks have slept in step `step` so far (0 for a step not begun).
+  double sleptInStep(int64_t step) const;
   /// `seconds` of compute as the emulated card takes them (no sleep).
   double stretch(double seconds) const { return seconds * options_.slowdown; }
   /// Seconds `bytes` of input take over the emulated link (0 without one).
@@ -143,8 +186,23 @@ class Emulator {
   const EmulationOptions& options() const { return options_; }
 
  private:
+  double stretchStep(double computeSeconds, int64_t bytesMoved, double queuedSeconds,
+                     double alreadySlept);
+  double stretchSinceMark();
+  void mark();
+
   EmulationOptions options_;
   Sleep sleep_;
+  Clocks clocks_;
+  // The open step's marks (beginStep .. measure() of that step or the next beginStep).
+  bool open_ = false;
+  int64_t openStep_ = 0;
+  double lastMark_ = 0.0;
+  double lastQueued_ = -1.0;
+  std::thread::id lastThread_;
+  // Per step, what its marks slept, until measure() takes it (a device timer hands a
+  // step's timing over one step late).
+  std::map<int64_t, double> slept_;
 };
 
 }  // namespace hddp

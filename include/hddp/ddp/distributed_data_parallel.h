@@ -49,6 +49,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -129,6 +130,14 @@ struct DdpOptions {
   /// What is sent for each bucket (PyTorch's register_comm_hook); empty = an allreduce of
   /// the bucket, or the hook `compression` names. Setting both is a ConfigError.
   CommHook commHook;
+  /// Called with a bucket's index (buckets are sent in index order) once the bucket is
+  /// ready, just before its communication is launched (before the hook above and before
+  /// the launch is timed for lastStepStats()): on the thread that made it ready, the
+  /// autograd engine's during backward, the caller's in finalize(). It may block, e.g.
+  /// the Trainer's emulated slower card sleeps there the extra time its backward would
+  /// have taken (hddp/balance/emulation.h); it must not throw. Empty (the default):
+  /// nothing is called, at no cost.
+  std::function<void(int bucket)> beforeBucketLaunch;
 };
 
 /// What the last synchronized step did (for metrics, benchmarks and tests).

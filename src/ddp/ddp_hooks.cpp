@@ -89,6 +89,8 @@ void DistributedDataParallel::Impl::densify(const Param& p, at::Tensor& grad) {
 }
 
 void DistributedDataParallel::Impl::onGradientReady(int index) {
+  Param& p = params_[static_cast<size_t>(index)];
+  p.used = p.used || p.tensor.grad().defined();  // under noSync() too, as PyTorch
   if (noSync_) {
     return;
   }

@@ -44,7 +44,18 @@ class DistributedDataParallel::Impl {
     // .grad holds the sum over ranks of the last synchronized step, not yet cleared
     // by the user: the next step sends it divided by the world size (see holdOver).
     bool holdsReduced = false;
+    // A gradient reached it on this rank since the last synchronized step, noSync()
+    // micro-steps included (PyTorch's local_used_map; read with findUnusedParameters).
+    bool used = false;
     unsigned preHookIndex = 0;
+  };
+
+  // findUnusedParameters: what .grad held before the step's end, for a parameter that no
+  // gradient reached on this rank, in case none reached it on any rank either.
+  struct PriorGrad {
+    bool kept = false;
+    at::Tensor tensor;  // the .grad tensor itself (undefined: there was none)
+    at::Tensor value;   // a copy of its values
   };
 
   struct Bucket {
@@ -126,6 +137,16 @@ class DistributedDataParallel::Impl {
   void buildBuckets(const std::vector<int>& order);
   /// Allocates a released bucket's buffer again (zeros), at its first gradient.
   void ensureFlat(Bucket& b);
+  /// findUnusedParameters, as PyTorch: a parameter that no rank used since the last
+  /// synchronized step keeps its .grad as it was (undefined stays undefined, so the
+  /// optimizer skips it). keepPriorGradient remembers it before the parameter is marked
+  /// ready; launchUsedMap sums every rank's used flags (one allreduce of one int per
+  /// parameter, after the last bucket); unusedEverywhere waits for it (empty: the option
+  /// is off); restoreUnusedEverywhere puts the remembered gradients back.
+  void keepPriorGradient(size_t index);
+  void launchUsedMap();
+  std::vector<bool> unusedEverywhere();
+  void restoreUnusedEverywhere(const std::vector<bool>& unused);
 
   // ---- gradient owners (ZeRO; ddp_owners.cpp) -----------------------------------------
 
@@ -155,6 +176,9 @@ class DistributedDataParallel::Impl {
   std::shared_ptr<PowerSgdState> powerSgd_;  // GradCompression::PowerSgd's state
   at::Tensor statusWire_;
   Work statusWork_;
+  at::Tensor usedMap_;  // findUnusedParameters: the used flags, summed over ranks
+  Work usedWork_;
+  std::vector<PriorGrad> priorGrads_;
   std::vector<Param> params_;
   std::vector<at::Tensor> frozen_;
   std::vector<std::string> frozenNames_;

@@ -32,11 +32,13 @@ void DistributedDataParallel::Impl::finalize() {
     beginStep();  // a rank without samples this step: everything contributes zeros
   }
   std::vector<std::string> unused;
+  priorGrads_.clear();
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].ready) {
       if (ranBackward && !abandoning_) {
         unused.push_back(params_[i].name);
       }
+      keepPriorGradient(i);
       markReady(static_cast<int>(i), /*duringBackward=*/false);
     }
   }
@@ -44,6 +46,7 @@ void DistributedDataParallel::Impl::finalize() {
   // A bucket whose hook threw at its launch (out of memory on the autograd thread) is
   // ready but not sent: send it now, as the other ranks will wait for it.
   launchReadyBuckets(/*duringBackward=*/false);
+  launchUsedMap();
   const auto waitStart = Clock::now();
   std::exception_ptr failure;
   auto waitFor = [&failure](Work& work) {
@@ -60,6 +63,8 @@ void DistributedDataParallel::Impl::finalize() {
   }
   waitFor(statusWork_);
   statusWork_ = Work();
+  waitFor(usedWork_);
+  usedWork_ = Work();
   // A hook's second round (PowerSGD's Q): started in bucket order on every rank once
   // every first round completed, then waited for. A rank whose first round failed
   // starts none (its peers then fail on their timeouts, as for any lost collective).
@@ -99,6 +104,8 @@ void DistributedDataParallel::Impl::finalize() {
       b.finish = nullptr;
       b.then = nullptr;
     }
+    usedMap_ = at::Tensor();
+    priorGrads_.clear();
     std::rethrow_exception(failure);
   }
   if (statusWire_.defined()) {
@@ -134,10 +141,13 @@ void DistributedDataParallel::Impl::finalize() {
       secondFinish[i]();
     }
   }
+  const std::vector<bool> untouched = unusedEverywhere();
   settleForeignGradients();
   if (!options_.gradientAsBucketView) {
-    for (auto& p : params_) {
-      if (foreign(buckets_[static_cast<size_t>(p.bucket)])) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Param& p = params_[i];
+      if (foreign(buckets_[static_cast<size_t>(p.bucket)]) ||
+          (!untouched.empty() && untouched[i])) {
         continue;
       }
       at::Tensor& grad = p.tensor.mutable_grad();
@@ -148,6 +158,7 @@ void DistributedDataParallel::Impl::finalize() {
       }
     }
   }
+  restoreUnusedEverywhere(untouched);
   ++step_;
   if (options_.bufferSync == BufferSync::WithGradients && !buffers_.empty() &&
       step_ % options_.bufferSyncInterval == 0) {
@@ -175,6 +186,77 @@ void DistributedDataParallel::Impl::finalize() {
                "model skips these parameters on purpose, set DdpOptions::findUnusedParameters "
                "= true; otherwise make sure the loss depends on them.");
   }
+}
+
+// Before a parameter that no gradient reached on this rank is marked ready (which may
+// divide a held-over .grad in place, and with gradients as bucket views points .grad at
+// its slice, which the reduction overwrites): what .grad was, in case no rank used it.
+void DistributedDataParallel::Impl::keepPriorGradient(size_t index) {
+  const Param& p = params_[index];
+  if (!options_.findUnusedParameters || p.used) {
+    return;
+  }
+  priorGrads_.resize(params_.size());
+  PriorGrad& prior = priorGrads_[index];
+  prior.kept = true;
+  prior.tensor = p.tensor.grad();
+  prior.value = prior.tensor.defined() ? prior.tensor.detach().clone() : at::Tensor();
+}
+
+// PyTorch's local_used_map allreduce: one int per parameter, launched after the last
+// bucket on every rank (each runs finalize(), an abandoned step included), so the
+// collectives stay in the same order everywhere. The flags start again for the next step.
+void DistributedDataParallel::Impl::launchUsedMap() {
+  usedMap_ = at::Tensor();
+  if (!options_.findUnusedParameters || params_.empty()) {
+    return;
+  }
+  std::vector<int32_t> used(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    used[i] = params_[i].used ? 1 : 0;
+    params_[i].used = false;
+  }
+  usedMap_ = at::tensor(used, at::kInt).to(comm_.device());
+  if (comm_.size() > 1) {
+    usedWork_ = comm_.allreduce(usedMap_);
+  }
+}
+
+std::vector<bool> DistributedDataParallel::Impl::unusedEverywhere() {
+  if (!usedMap_.defined()) {
+    return {};
+  }
+  const at::Tensor sums = usedMap_.cpu();  // the allreduce was waited for with the buckets
+  usedMap_ = at::Tensor();
+  std::vector<bool> unused(params_.size(), false);
+  const auto* counts = sums.data_ptr<int32_t>();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    unused[i] = counts[i] == 0;
+  }
+  return unused;
+}
+
+// A parameter no rank used keeps the .grad it had (PyTorch leaves it untouched): an
+// undefined one stays undefined, so the optimizer skips the parameter (no weight decay,
+// no momentum); a defined one (zeros after zero_grad(false)) keeps its values. Not
+// applied to a ZeRO rank's foreign parameters, whose gradients it never steps (zeros at
+// stage 1, none at stage 2).
+void DistributedDataParallel::Impl::restoreUnusedEverywhere(const std::vector<bool>& unused) {
+  at::NoGradGuard noGrad;
+  for (size_t i = 0; i < unused.size(); ++i) {
+    Param& p = params_[i];
+    if (!unused[i] || i >= priorGrads_.size() || !priorGrads_[i].kept ||
+        foreign(buckets_[static_cast<size_t>(p.bucket)])) {
+      continue;
+    }
+    PriorGrad& prior = priorGrads_[i];
+    at::Tensor& grad = p.tensor.mutable_grad();
+    grad = prior.tensor;
+    if (grad.defined()) {
+      grad.copy_(prior.value);
+    }
+  }
+  priorGrads_.clear();
 }
 
 bool DistributedDataParallel::Impl::abandonStep() {

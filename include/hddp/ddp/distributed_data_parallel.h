@@ -107,8 +107,18 @@ struct DdpOptions {
   /// Rebuild the buckets once, after the first step, from the order in which
   /// gradients actually became ready (rank 0's order, shared). Default true.
   bool rebuildBuckets = true;
-  /// Parameters that get no gradient in a step are treated as zero instead of an
-  /// error. Default false (an unused parameter is reported, naming it).
+  /// Parameters that get no gradient in a step are allowed instead of an error, with
+  /// PyTorch's find_unused_parameters=True semantics. For a parameter it did not use (in
+  /// the step's backward nor in a noSync() micro-step before it) a rank sends its .grad
+  /// as it is (zeros if undefined). One that some rank used gets the reduced gradient on
+  /// every rank; one that no rank used keeps its .grad as it was on every rank (undefined
+  /// stays undefined, so the optimizer skips it: no weight decay, no momentum; zeros after
+  /// zero_grad(false) stay zeros). The used flags travel in one allreduce of one int per
+  /// parameter after the last bucket. With gradientAsBucketView PyTorch leaves a defined
+  /// .grad of such a parameter as the average over ranks of what each rank held; hddp
+  /// restores each rank's own (the same wherever the ranks held the same). Every rank
+  /// must set it alike. Default false (an unused parameter is reported, naming it; zeros
+  /// are still sent, so no rank hangs).
   bool findUnusedParameters = false;
   /// Gradients are views into the bucket buffers (no copy per step). Default true.
   bool gradientAsBucketView = true;

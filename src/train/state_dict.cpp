@@ -6,8 +6,10 @@
 #include <torch/nn/module.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -110,6 +112,58 @@ std::string safetensorsBytes(const std::vector<std::pair<std::string, at::Tensor
   return out;
 }
 
+// One tensor of a safetensors header, checked against the data before it is allocated.
+struct SafetensorsEntry {
+  std::string key;
+  at::ScalarType type = at::kFloat;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+SafetensorsEntry safetensorsEntry(const std::string& key, const nlohmann::json& entry,
+                                  const std::string& path, uint64_t dataSize) {
+  SafetensorsEntry out;
+  out.key = key;
+  const std::string dtype = entry.at("dtype").get<std::string>();
+  bool known = false;
+  for (const auto& [name, t] : dtypeNames()) {
+    if (name == dtype) {
+      out.type = t;
+      known = true;
+    }
+  }
+  HDDP_CHECK_AS(StateError, known, "state dict ", path, ": '", key, "' has dtype ", dtype,
+                ", which hddp does not read");
+  const auto& shape = entry.at("shape");
+  HDDP_CHECK_AS(StateError, shape.is_array(), "state dict ", path, ": '", key,
+                "' has a shape that is not a list");
+  for (const auto& dim : shape) {
+    HDDP_CHECK_AS(StateError,
+                  dim.is_number_unsigned() && dim.get<uint64_t>() <= uint64_t{INT64_MAX},
+                  "state dict ", path, ": '", key, "' has a size ",
+                  dim.is_primitive() ? dim.dump() : "that is a list or object",
+                  " in its shape, not a whole number from 0 to 2^63 - 1");
+    out.shape.push_back(dim.get<int64_t>());
+  }
+  const auto& range = entry.at("data_offsets");
+  HDDP_CHECK_AS(StateError,
+                range.is_array() && range.size() == 2 && range[0].is_number_unsigned() &&
+                    range[1].is_number_unsigned(),
+                "state dict ", path, ": '", key, "' has data_offsets that are not two byte offsets");
+  out.begin = range[0].get<uint64_t>();
+  out.end = range[1].get<uint64_t>();
+  HDDP_CHECK_AS(StateError, out.begin <= out.end && out.end <= dataSize, "state dict ", path,
+                ": '", key, "' has data_offsets [", out.begin, ", ", out.end,
+                "], outside the file's ", dataSize, " bytes of data");
+  const auto claimed = train::tensorBytes(out.shape, c10::elementSize(out.type));
+  HDDP_CHECK_AS(StateError, claimed && *claimed == out.end - out.begin, "state dict ", path, ": '",
+                key, "' of shape ", c10::IntArrayRef(out.shape), " and dtype ", dtype, " claims ",
+                train::bytesText(claimed), ", the file holds ", out.end - out.begin,
+                " bytes for it (data_offsets [", out.begin, ", ", out.end, "])");
+  return out;
+}
+
 std::map<std::string, at::Tensor> fromSafetensors(const std::string& bytes,
                                                   const std::string& path) {
   HDDP_CHECK_AS(StateError, bytes.size() >= 8, "state dict ", path,
@@ -123,43 +177,51 @@ std::map<std::string, at::Tensor> fromSafetensors(const std::string& bytes,
                 " bytes, the file has ", bytes.size() - 8, " after the length");
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes.substr(8, n));
+    header = nlohmann::json::parse(bytes.substr(8, n));  // iterative: no nesting limit needed
   } catch (const std::exception& e) {
     HDDP_THROW(StateError, "state dict ", path, ": the safetensors header is not JSON: ", e.what());
   }
+  HDDP_CHECK_AS(StateError, header.is_object(), "state dict ", path,
+                ": the safetensors header is not a JSON object");
   const size_t dataStart = 8 + n;
-  const size_t dataSize = bytes.size() - dataStart;
-  std::map<std::string, at::Tensor> out;
+  const uint64_t dataSize = bytes.size() - dataStart;
+  // Every entry is checked before any tensor is allocated.
+  std::vector<SafetensorsEntry> entries;
   for (const auto& [key, entry] : header.items()) {
     if (key == "__metadata__") {
       continue;
     }
     try {
-      const std::string dtype = entry.at("dtype").get<std::string>();
-      at::ScalarType type = at::kFloat;
-      bool known = false;
-      for (const auto& [name, t] : dtypeNames()) {
-        if (name == dtype) {
-          type = t;
-          known = true;
-        }
-      }
-      HDDP_CHECK_AS(StateError, known, "state dict ", path, ": '", key, "' has dtype ", dtype,
-                    ", which hddp does not read");
-      const auto shape = entry.at("shape").get<std::vector<int64_t>>();
-      const auto range = entry.at("data_offsets").get<std::vector<uint64_t>>();
-      HDDP_CHECK_AS(StateError, range.size() == 2 && range[0] <= range[1] && range[1] <= dataSize,
-                    "state dict ", path, ": '", key, "' lies outside the file's data");
-      at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
-      HDDP_CHECK_AS(StateError, static_cast<uint64_t>(t.nbytes()) == range[1] - range[0],
-                    "state dict ", path, ": '", key, "' of shape ", t.sizes(), " and dtype ", dtype,
-                    " needs ", t.nbytes(), " bytes, the file gives it ", range[1] - range[0]);
-      std::memcpy(t.data_ptr(), bytes.data() + dataStart + range[0], t.nbytes());
-      out.emplace(key, t);
+      entries.push_back(safetensorsEntry(key, entry, path, dataSize));
     } catch (const nlohmann::json::exception& e) {
       HDDP_THROW(StateError, "state dict ", path, ": the entry of '", key,
                  "' is malformed: ", e.what());
     }
+  }
+  // As safetensors' own reader requires: the tensors tile the data, in some order, with
+  // no gap or overlap, so together they take exactly the data's bytes.
+  std::vector<const SafetensorsEntry*> byOffset;
+  for (const auto& e : entries) {
+    byOffset.push_back(&e);
+  }
+  std::stable_sort(byOffset.begin(), byOffset.end(),
+                   [](const auto* a, const auto* b) { return a->begin < b->begin; });
+  uint64_t covered = 0;
+  for (const auto* e : byOffset) {
+    HDDP_CHECK_AS(StateError, e->begin == covered, "state dict ", path, ": '", e->key,
+                  "' starts at byte ", e->begin, " of the data, where the tensors before it end at ",
+                  covered, "; safetensors' tensors tile the data without gaps or overlaps");
+    covered = e->end;
+  }
+  HDDP_CHECK_AS(StateError, covered == dataSize, "state dict ", path, ": its tensors cover ",
+                covered, " of the ", dataSize, " bytes of data after the header");
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : entries) {
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
+    if (e.end > e.begin) {
+      std::memcpy(t.data_ptr(), bytes.data() + dataStart + e.begin, e.end - e.begin);
+    }
+    out.emplace(e.key, t);
   }
   return out;
 }

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,13 +17,28 @@ namespace train {
 /// writes them as.
 const std::vector<std::pair<std::string, at::ScalarType>>& torchStorageTypes();
 
+/// The bytes of a tensor of `sizes` with `elementSize`-byte elements, or nullopt when a
+/// size is negative or the product overflows 64 bits: sizes read from a file, checked
+/// against the bytes it holds before anything is allocated.
+std::optional<uint64_t> tensorBytes(c10::ArrayRef<int64_t> sizes, size_t elementSize);
+/// "N bytes", or what a nullopt from tensorBytes means, for messages.
+std::string bytesText(std::optional<uint64_t> bytes);
+
+/// hddp::StateError naming `path` unless `bytes` ends with a zip directory whose every
+/// entry claims no more bytes (compressed or not) than the whole file: LibTorch's zip
+/// reader allocates an entry's claimed size before reading it, starting in its
+/// constructor. torch.save stores entries uncompressed, so no real file is refused.
+void checkZipEntrySizes(const std::string& bytes, const std::string& path);
+
 /// The bytes torch.save(OrderedDict(tensors), f) would write (a zip archive with a
 /// protocol-2 pickle): torch.load(f, weights_only=True) returns the dict.
 std::string torchSaveBytes(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 
 /// The name -> tensor entries, in order, of a torch.save file of a dict of tensors
-/// (model.state_dict(), an OrderedDict with its _metadata, or a plain dict).
-/// hddp::StateError naming `path` when it is something else.
+/// (model.state_dict(), an OrderedDict with its _metadata, or a plain dict). Each tensor
+/// is a view of its storage, as torch.load returns it (tensors that share a storage in
+/// the file share it here). hddp::StateError naming `path` when it is something else or
+/// claims more than it holds.
 std::vector<std::pair<std::string, at::Tensor>> torchLoadBytes(const std::string& bytes,
                                                                const std::string& path);
 

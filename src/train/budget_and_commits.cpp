@@ -4,7 +4,10 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 
+#include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "train/trainer_impl.h"
 
@@ -20,12 +23,21 @@ void Trainer::Impl::updateTimeBudget() {
   // same allreduced numbers.
   // The job's budget: training seconds and steps since it started, earlier generations
   // of a restarted job included, so the end and the schedule are an undisturbed run's.
-  const double elapsed = budget_.secondsBefore + seconds(run_.start, Clock::now());
-  at::Tensor t =
-      at::tensor({elapsed, elapsed - budget_.evaluationSeconds}, at::kDouble).to(comm_.device());
+  const double now = budgetNow();
+  const double start = budget_.start.value_or(now);
+  const double elapsed = budget_.secondsBefore + (now - start);
+  // A clock that went back (TrainerOptions::budgetClock) is reported with the numbers,
+  // so that every rank fails together instead of one leaving the others in a collective.
+  const double wentBack = now < start || !std::isfinite(now) ? 1.0 : 0.0;
+  at::Tensor t = at::tensor({elapsed, elapsed - budget_.evaluationSeconds, wentBack}, at::kDouble)
+                     .to(comm_.device());
   comm_.allreduce(t, {ReduceOp::Max}).wait();
   comm_.synchronize();  // the host reads it next (Communicator::synchronize)
   t = t.cpu();
+  HDDP_CHECK_AS(ConfigError, t[2].item<double>() == 0,
+                "the time budget's clock went back or is not finite on a rank (here: ", start,
+                " s at the start, ", now,
+                " s now): TrainerOptions::budgetClock must return seconds that never decrease");
   const double elapsedMax = t[0].item<double>();
   const double perStep =
       t[1].item<double>() / static_cast<double>(std::max<int64_t>(1, step_ - budget_.startStep));
@@ -42,6 +54,17 @@ void Trainer::Impl::updateTimeBudget() {
                     " s: ", perStep * 1e3, " ms per step after ", done, " steps, so ",
                     plannedSteps(), " steps in all (re-measured every ", kEvery, " steps)");
   }
+}
+
+double Trainer::Impl::budgetNow() const {
+  if (options_.budgetClock) {
+    return options_.budgetClock();
+  }
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+
+double Trainer::Impl::budgetSeconds() const {
+  return budget_.secondsBefore + (budget_.start ? budgetNow() - *budget_.start : 0.0);
 }
 
 void Trainer::Impl::commit(TrainSummary& summary) {

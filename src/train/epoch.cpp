@@ -53,8 +53,9 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
     return {};
   }
   const auto e0 = Clock::now();
+  const double b0 = budgetNow();
   auto evaluation = evaluation_(epoch_);
-  budget_.evaluationSeconds += seconds(e0, Clock::now());
+  budget_.evaluationSeconds += budgetNow() - b0;
   timeline_.add("evaluation", e0, Clock::now(), step_);
   model_->train();
   if (!evaluation.empty()) {

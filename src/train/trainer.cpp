@@ -379,6 +379,7 @@ TrainSummary Trainer::Impl::fit() {
 
   TrainSummary summary;
   run_.start = Clock::now();
+  budget_.start = budgetNow();  // the time budget's own clock (TrainerOptions::budgetClock)
   run_.startStep = step_;
   run_.stoppedEarly = false;
   int64_t samples = 0;

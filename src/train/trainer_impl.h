@@ -7,6 +7,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "hddp/balance/compression_model.h"
@@ -204,6 +205,7 @@ class Trainer::Impl {
     int64_t startStep = 0;         // the step it started at
     double secondsBefore = 0;      // training seconds before this fit() (a restart)
     double evaluationSeconds = 0;  // spent evaluating, left out of the budget
+    std::optional<double> start;   // budgetNow() when this fit() began
     bool carry = false;            // load() takes the saved budget (a launcher's restart)
   } budget_;
 
@@ -212,6 +214,10 @@ class Trainer::Impl {
   nlohmann::json runConfig() const;
   /// Every 10 steps with a time budget: the ranks agree on the step that ends the run.
   void updateTimeBudget();
+  /// The time budget's clock in seconds (TrainerOptions::budgetClock, else the steady
+  /// clock), and the job's seconds on it so far (earlier generations included).
+  double budgetNow() const;
+  double budgetSeconds() const;
 
   // ---- commits (budget_and_commits.cpp) -----------------------------------------------
   /// A commit: the state file, then its elastic part (ElasticRun::committed), which

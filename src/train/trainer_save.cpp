@@ -49,10 +49,7 @@ std::string Trainer::Impl::save() {
     meta.progress.epochSamples = static_cast<int64_t>(sums[1].item<double>());
     meta.progress.epochSteps = thisEpoch_.steps;
   }
-  meta.progress.budgetSeconds =
-      budget_.secondsBefore + (run_.start == Clock::time_point{}
-                                   ? 0.0
-                                   : std::chrono::duration<double>(t0 - run_.start).count());
+  meta.progress.budgetSeconds = budgetSeconds();  // on the budget's clock
   meta.progress.budgetEvaluationSeconds = budget_.evaluationSeconds;
   meta.progress.budgetStartStep = budget_.startStep;
   meta.progress.budgetSteps = budget_.endStep;

@@ -5,7 +5,15 @@ emulated 3x slower, so the planner moves samples to rank 0) with --tensorboard D
 DIR back. Every step's loss, step time and shares equal rank 0's metrics lines (to
 float32), at the global step (1, 2, ... in order); the learning rate follows the
 cosine schedule; the epochs' training loss and test accuracy equal the epoch lines;
-the split is text at the first step and at every step that changed it."""
+the split is text at the first step and at every step that changed it.
+
+Whether and when the planner changes the split here depends on measured times (the
+emulated slowdown stretches what each rank measures, and a loaded machine measures
+otherwise), so this test requires no change: it checks that the texts are exactly the
+first split and the changes the metrics report, whichever they are. That a change is
+made at a known step and written as text is checked with injected timings, on any
+machine, by TrainerTensorBoard.APlanChangeFromInjectedTimingsIsTextAtTheStepOfTheChange
+(tests/train/tensorboard_plan_test.cpp)."""
 import argparse
 import glob
 import json
@@ -115,7 +123,8 @@ def main():
             new, old = x["new_plan"], x["plan"]
             want_texts.append((x["step"], f"from step {x['step'] + 1}: [{new[0]}, {new[1]}] of 32 "
                                           f"(was [{old[0]}, {old[1]}] of 32)"))
-    check(len(want_texts) > 1, "the planner changed the split (rank 1 is 3x slower)")
+    # Not required (see the top): the change itself is checked with injected timings.
+    print(f"the planner changed the split {len(want_texts) - 1} time(s) in {len(steps)} steps")
     check(texts == want_texts, f"the split as text at the start and at each change: {want_texts}")
     sys.exit(1 if failures else 0)
 

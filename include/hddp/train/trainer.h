@@ -68,12 +68,19 @@ struct TrainerOptions {
   /// Stop after this many steps in total (0: when the epochs are done). Default 0.
   int64_t maxSteps = 0;
   /// Train for at most this many seconds of fit() (0: no limit), evaluations during the
-  /// run included, the final one not: every 10 steps the ranks agree (one 16-byte
+  /// run included, the final one not: every 10 steps the ranks agree (one 24-byte
   /// allreduce) on the slowest rank's seconds per training step, and the run stops at
   /// the last step that fits. StepInfo::totalSteps follows, so a schedule that reads it
   /// (the example trainers' cosine) ends on time. Not kept in state files: a resumed
   /// run has the whole budget again. Default 0.
   double timeBudgetSeconds = 0;
+  /// The clock the time budget reads (its measurements, the evaluations it leaves out,
+  /// the account a state file carries to a launcher's restart): seconds from any fixed
+  /// origin, never decreasing. For tests and simulations (a fixed number of seconds per
+  /// step makes the step at which the budget ends the run exact); default (empty) the
+  /// steady clock. Called on the training thread only; a clock that goes back fails
+  /// fit() on every rank with a ConfigError.
+  std::function<double()> budgetClock;
   /// Shuffle and augmentation seed (the sampler's and the loader's). Default 0.
   uint64_t seed = 0;
   AmpMode amp = AmpMode::Off;

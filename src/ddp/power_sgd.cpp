@@ -71,93 +71,14 @@ struct PowerSgdMemories {
   int64_t* after;
   std::map<int, at::Tensor>* error;
   std::map<int, at::Tensor>* q;
+  bool* stepFinite;  // false once a bucket of this step reduced to inf/NaN
 };
 
 struct PowerSgdAccess {
   static CommHookResult hook(const std::shared_ptr<PowerSgdState>& state, Communicator& comm,
                              GradBucket& bucket);
+  static void undoMemories(PowerSgdState& state) { state.undoMemories(); }
 };
-
-PowerSgdState::PowerSgdState(PowerSgdOptions options) : options_(options) {
-  HDDP_CHECK_AS(ConfigError, options_.rank >= 1, "PowerSgdOptions::rank must be at least 1, got ",
-                options_.rank);
-  HDDP_CHECK_AS(ConfigError,
-                options_.startStep > 1 || !(options_.errorFeedback || options_.warmStart),
-                "PowerSgdOptions::startStep must be at least 2 with error feedback or warm "
-                "start (DDP rebuilds its buckets after the first step, which would misplace "
-                "the memories), got ",
-                options_.startStep);
-  HDDP_CHECK_AS(ConfigError, options_.minCompressionRate > 0,
-                "PowerSgdOptions::minCompressionRate must be positive, got ",
-                options_.minCompressionRate);
-  HDDP_CHECK_AS(ConfigError, options_.orthogonalizationEpsilon >= 0,
-                "PowerSgdOptions::orthogonalizationEpsilon must not be negative, got ",
-                options_.orthogonalizationEpsilon);
-  HDDP_CHECK_AS(ConfigError,
-                options_.wireType == at::kFloat || options_.wireType == at::kHalf ||
-                    options_.wireType == at::kBFloat16,
-                "PowerSgdOptions::wireType must be Float, Half or BFloat16, got ",
-                options_.wireType);
-}
-
-std::vector<std::pair<std::string, at::Tensor>> PowerSgdState::stateDict() const {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  out.emplace_back("step", at::tensor(step_, at::kLong));
-  out.emplace_back("draws", at::tensor(draws_, at::kLong));
-  for (const auto& e : error_) {
-    out.emplace_back("error." + std::to_string(e.first), e.second.cpu().clone());
-  }
-  for (const auto& q : q_) {
-    out.emplace_back("q." + std::to_string(q.first), q.second.cpu().clone());
-  }
-  return out;
-}
-
-void PowerSgdState::loadStateDict(const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  std::map<int, at::Tensor> error;
-  std::map<int, at::Tensor> q;
-  int64_t step = step_;
-  int64_t draws = draws_;
-  auto bucketOf = [](const std::string& key, size_t prefix) {
-    try {
-      size_t used = 0;
-      const int index = std::stoi(key.substr(prefix), &used);
-      if (used == key.size() - prefix && index >= 0) {
-        return index;
-      }
-    } catch (const std::exception&) {
-    }
-    HDDP_THROW(Error, "PowerSGD state: '", key, "' does not name a bucket");
-  };
-  for (const auto& item : state) {
-    const std::string& key = item.first;
-    if (key == "step") {
-      step = item.second.item<int64_t>();
-    } else if (key == "draws") {
-      draws = item.second.item<int64_t>();
-    } else if (key.rfind("error.", 0) == 0) {
-      error[bucketOf(key, 6)] = item.second;
-    } else if (key.rfind("q.", 0) == 0) {
-      q[bucketOf(key, 2)] = item.second;
-    } else {
-      HDDP_THROW(Error, "PowerSGD state: unknown key '", key,
-                 "' (expected step, draws, error.<bucket>, q.<bucket>)");
-    }
-  }
-  step_ = step;
-  draws_ = draws;
-  error_ = std::move(error);
-  q_ = std::move(q);
-  startLogged_ = step_ >= options_.startStep;
-}
-
-void PowerSgdState::resetMemories(const std::string& why) {
-  if (!error_.empty() || !q_.empty()) {
-    HDDP_LOG_INFO("ddp", "PowerSGD: error and Q memories reset (", why, ")");
-  }
-  error_.clear();
-  q_.clear();
-}
 
 namespace {
 
@@ -393,11 +314,12 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     }
     const bool finite = input_.numel() == 0 || at::isfinite(input_).all().item<bool>();
     if (!finite) {
-      // A float16 overflow (the GradScaler skips this step): keep the error memory,
-      // draw Q afresh next time.
+      // A float16 overflow (the GradScaler skips this step): the whole step's changes to
+      // the memories are undone at its last bucket, those of buckets before this one too.
       HDDP_LOG_INFO("ddp", "PowerSGD: bucket ", index_,
-                    "'s reduced gradient is not finite; its memories are kept out of it");
-      m_.q->erase(index_);
+                    "'s reduced gradient is not finite; the step leaves the memories as they "
+                    "were");
+      *m_.stepFinite = false;
     } else {
       if (o.errorFeedback) {
         // Weighted units: this rank's input less its 1/n part of the reduced sum.
@@ -418,6 +340,10 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       }
     }
     if (isLast_) {
+      if (!*m_.stepFinite) {
+        PowerSgdAccess::undoMemories(
+            *state_);  // the step counts (as PyTorch's iter), its memories do not
+      }
       ++*m_.step;
     }
   }
@@ -447,10 +373,14 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
 CommHookResult PowerSgdAccess::hook(const std::shared_ptr<PowerSgdState>& state, Communicator& comm,
                                     GradBucket& bucket) {
   PowerSgdState& s = *state;
+  if (!s.undo_.open || s.undo_.lastSeen) {
+    s.beginStep();  // the step's first bucket: what discardStep() restores
+  }
   if (s.step_ < s.options_.startStep) {
     Work work = comm.allreduce(bucket.buffer);
     if (bucket.isLast) {  // counted once sent: a hook that threw may be called again
       ++s.step_;
+      s.undo_.lastSeen = true;  // the next bucket handed over starts another step
     }
     return CommHookResult{std::move(work), nullptr, nullptr};
   }
@@ -460,9 +390,13 @@ CommHookResult PowerSgdAccess::hook(const std::shared_ptr<PowerSgdState>& state,
                     s.options_.rank, ", P and Q sent as ", s.options_.wireType, ")");
   }
   PowerSgdMemories memories{&s.options_,       &s.step_,  &s.draws_, &s.elementsBefore_,
-                            &s.elementsAfter_, &s.error_, &s.q_};
+                            &s.elementsAfter_, &s.error_, &s.q_,     &s.undo_.finite};
   auto work = std::make_shared<CompressedBucket>(state, memories, comm, bucket);
-  return work->firstRound();
+  CommHookResult result = work->firstRound();  // a throw leaves the state as it was
+  if (bucket.isLast) {
+    s.undo_.lastSeen = true;  // the next bucket handed over starts another step
+  }
+  return result;
 }
 
 CommHook powerSgdHook(std::shared_ptr<PowerSgdState> state) {

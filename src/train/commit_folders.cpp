@@ -161,7 +161,10 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
             continue;
           }
           const std::string name = fs::path(*it).filename().string();
-          found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5)));  // state-N.hddp
+          // state-N.hddp, and its payload's CRC: two folders may hold different files of
+          // the same step (a folder reused from another attempt), which must not both load.
+          found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5))) + " " +
+                  std::to_string(crc32Of(payload.data(), payload.size()));
           scanned = std::move(payload);
         } catch (const std::exception& e) {  // a damaged file, or one `accept` cannot read
           const auto* error = dynamic_cast<const c10::Error*>(&e);
@@ -188,6 +191,7 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   std::string problem;
   size_t passedOver = 0;
   std::vector<int64_t> steps(static_cast<size_t>(comm.size()), -1);
+  std::vector<uint32_t> crcs(static_cast<size_t>(comm.size()), 0);
   for (int r = 0; r < comm.size(); ++r) {
     const std::string line = stringOf(all[static_cast<size_t>(r)]);
     const size_t space = line.find(' ');
@@ -200,7 +204,9 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
       problem = problem.empty() ? "rank " + std::to_string(r) + ": " + said.substr(1) : problem;
       continue;
     }
-    steps[static_cast<size_t>(r)] = std::stoll(said);
+    const size_t gap = said.find(' ');
+    steps[static_cast<size_t>(r)] = std::stoll(said.substr(0, gap));
+    crcs[static_cast<size_t>(r)] = static_cast<uint32_t>(std::stoul(said.substr(gap + 1)));
     if (steps[static_cast<size_t>(r)] > chosen.step) {
       chosen.step = steps[static_cast<size_t>(r)];
       source = r;
@@ -223,16 +229,24 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   // Folders without the chosen step receive it from the source.
   const int myWriter = groups.writer[static_cast<size_t>(rank)];
   std::vector<bool> lacks(static_cast<size_t>(comm.size()), false);
+  const uint32_t chosenCrc = crcs[static_cast<size_t>(source)];
   for (int r = 0; r < comm.size(); ++r) {
     const int w = groups.writer[static_cast<size_t>(r)];
-    lacks[static_cast<size_t>(r)] = steps[static_cast<size_t>(w)] != chosen.step;
+    const bool sameStep = steps[static_cast<size_t>(w)] == chosen.step;
+    // A file of the chosen step with other bytes is another attempt's: replaced by the
+    // source's, so that every rank loads the same state.
+    lacks[static_cast<size_t>(r)] = !sameStep || crcs[static_cast<size_t>(w)] != chosenCrc;
+    if (sameStep && lacks[static_cast<size_t>(r)] && r == rank && groups.writes(rank)) {
+      HDDP_LOG_WARN("train", "the save folder ", groups.dir, " holds another file of step ",
+                    chosen.step, " than rank ", source, "'s folder (another attempt's?): rank ",
+                    source, "'s is loaded", keep ? " and replaces it" : "");
+    }
     chosen.receivers += lacks[static_cast<size_t>(r)] ? 1 : 0;
   }
   chosen.path = stateFileName(groups.dir, chosen.step);
   // A writer whose folder holds the chosen commit has just read and checked it: the load
   // takes those bytes rather than reading the file again.
-  const bool scannedIsChosen =
-      groups.writes(rank) && steps[static_cast<size_t>(rank)] == chosen.step;
+  const bool scannedIsChosen = groups.writes(rank) && !lacks[static_cast<size_t>(rank)];
   if (chosen.receivers == 0) {
     if (scannedIsChosen) {
       chosen.payload = std::move(scanned);

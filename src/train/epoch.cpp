@@ -1,6 +1,6 @@
-// The Trainer's epochs and run between steps (internal to the train layer): how many
-// steps are planned, the evaluation, the end of an epoch (the loss over all ranks'
-// samples, the epoch record), and the configuration a metrics file starts with.
+// The Trainer's epochs and run between steps (internal to the train layer): one epoch's
+// loop of steps and its end (evaluation, commits, the state file), how many steps are
+// planned, the epoch record, and the configuration a metrics file starts with.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -90,6 +90,73 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   r.peakMemoryBytes = thisEpoch_.peakMemory;
   thisEpoch_.peakMemory = 0;
   reporter_.epoch(r);
+}
+
+Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& samples) {
+  model_->train();
+  if (thisEpoch_.midEpoch) {
+    // The epoch's sums and steps so far came with the state (load()).
+    loader_->resume(thisEpoch_.sampler, currentPlan());
+    thisEpoch_.midEpoch = false;
+  } else {
+    loader_->startEpoch(epoch_, currentPlan());
+    thisEpoch_.lossSum = 0;
+    thisEpoch_.samples = 0;
+    thisEpoch_.steps = 0;
+  }
+  const auto epochStart = Clock::now();
+  bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
+  bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
+  for (;;) {
+    if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
+        (budget_.endStep > 0 && step_ >= budget_.endStep)) {
+      if (thisEpoch_.steps > 0 && loader_->stepsLeftInEpoch() == 0) {
+        // The epoch is complete: end it (evaluation, its state) rather than save an
+        // empty remainder that a resume would report and evaluate again.
+        stopAtEpochEnd = true;
+        break;
+      }
+      run_.stoppedEarly = true;
+      thisEpoch_.sampler = loader_->state();
+      thisEpoch_.midEpoch = true;  // a resume continues inside this epoch
+      return EpochEnd::Stopped;
+    }
+    const auto waitStart = Clock::now();
+    auto batch = loader_->next();
+    if (!batch) {
+      break;
+    }
+    timeline_.add("data wait", waitStart, Clock::now(), step_);
+    if (!runStep(*batch)) {
+      continue;  // a rank ran out of memory: the step is repeated under a new split
+    }
+    samples += batch->share.globalBatch;
+    ++thisEpoch_.steps;
+    elastic_.stepDone(step_, step_ == run_.startStep + 1, comm_.rank(), batch->share.indices);
+    if (options_.timeBudgetSeconds > 0) {
+      updateTimeBudget();
+    }
+    if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0 : elastic_.commitDue(step_)) {
+      if (loader_->stepsLeftInEpoch() == 0) {
+        commitAtEpochEnd = true;  // saved once, as the epoch's end, below
+      } else {
+        commit(summary);
+      }
+    }
+  }
+  if (stopAtEpochEnd) {
+    run_.stoppedEarly = epoch_ + 1 < options_.epochs;  // the evaluation knows it is the last
+  }
+  endEpoch(epochStart, thisEpoch_.steps, summary);
+  ++epoch_;
+  if (!options_.saveDir.empty()) {
+    summary.lastStateFile = save();
+    run_.lastSaved = step_;
+  }
+  if (commitAtEpochEnd) {
+    elastic_.committed(comm_, step_, summary.lastStateFile, run_.lastSaveStart);
+  }
+  return stopAtEpochEnd ? EpochEnd::StopsTheRun : EpochEnd::Complete;
 }
 
 }  // namespace hddp

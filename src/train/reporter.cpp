@@ -66,13 +66,16 @@ void Reporter::writeTensorBoard(const std::function<void(TensorBoardWriter&)>& w
   tensorboard_.reset();
 }
 
-// Rank 0's view of the step: the loss of its share, the global throughput, every rank's
+// Rank 0's view of the step: the loss of its share (none when it had no samples), the
+// global throughput, every rank's
 // share of the batch, its own step-time parts and memory; the split as text when the run
 // starts and whenever it changes.
 void Reporter::tensorBoardStep(TensorBoardWriter& tb, const StepReport& r,
                                double samplesPerSecond) {
   const int64_t s = r.step;
-  tb.addScalar("train/loss", r.loss, s);
+  if (r.localBatch > 0) {  // a share without samples has no loss (not a loss of 0)
+    tb.addScalar("train/loss", r.loss, s);
+  }
   tb.addScalar("train/samples_per_s", samplesPerSecond, s);
   if (r.learningRate >= 0) {
     tb.addScalar("train/lr", r.learningRate, s);

@@ -85,6 +85,15 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
     optimizer_.zero_grad();
   }
   clock.forwardEnd = clock.start;
+  if (options_.recoverFromOutOfMemory && !hasSyncBatchNorm_) {
+    // What the forward changes before the step is known to stand (BatchNorm's statistics,
+    // the generators): an abandoned step puts them back (repeatStep). Every step captures,
+    // one without samples too, so a restore never brings back an older step's.
+    if (!rollback_) {
+      rollback_ = std::make_unique<train::StepRollback>(*model_, device_);
+    }
+    rollback_->capture();
+  }
   if (local == 0) {
     ddp_->finalize();  // no samples this step: contribute zeros, receive the others'
     return "";
@@ -121,10 +130,19 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
 }
 
 // Some rank ran out of memory in this step (every rank gets here, after the step's
-// collectives): learn the failing ranks' memory caps, re-plan, and rewind the loader
-// so the same global batch is served again under the new split. Nothing was applied
-// (no optimizer step), so no sample is lost or counted twice.
+// collectives): undo what the step changed, learn the failing ranks' memory caps,
+// re-plan, and rewind the loader so the same global batch is served again under the new
+// split. Nothing was applied (no optimizer step), so no sample is lost or counted twice.
 void Trainer::Impl::repeatStep(const Batch& batch, const std::string& mine, Clock::time_point t0) {
+  // The abandoned step leaves no trace: the forward's normalisation statistics and random
+  // draws, and PowerSGD's memories, are put back, so the repeat trains as a straight run
+  // of the new split would (the optimizer, scaler and sampler were not touched).
+  if (rollback_) {
+    rollback_->restore();
+  }
+  if (const auto& powerSgd = ddp_->powerSgdState()) {
+    powerSgd->discardStep();
+  }
   const auto recovery =
       train::recoverFromOutOfMemory(comm_, planner_.get(), mine, batch.share.localBatch,
                                     options_.planner.minLocalBatch, step_ + 1);

@@ -14,6 +14,7 @@
 
 #include "hddp/balance/cost_model.h"
 #include "hddp/balance/seed.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/comm/link_emulation.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
@@ -24,6 +25,7 @@
 #include "hddp/train/state_file.h"
 #include "hddp/train/tensorboard.h"
 #include "train/model_device.h"
+#include "train/options_agreement.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
@@ -210,7 +212,20 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
                     "(--save-dir) to commit and resume");
     }
   }
-  checkOptions(options_, train.get(), comm, device_);
+  // A rank's own problem with its options (its device, its data) fails every rank at once;
+  // then every rank must have been given the options that shape the collectives alike.
+  agreeOutcome<ConfigError>(comm, "checking the Trainer's options",
+                            [&] { checkOptions(options_, train.get(), comm, device_); });
+  train::checkOptionsAgree(comm, options_);
+  // Elastic commits and a launcher's restarts decide exchanges too (fit()'s start, the
+  // commits): every rank must see the same launcher.
+  const uint8_t elastic = (elastic_.enabled() ? 1 : 0) | (elastic_.underAgent() ? 2 : 0);
+  for (const uint8_t other : allgatherValue<uint8_t>(comm, elastic)) {
+    HDDP_CHECK_AS(ConfigError, other == elastic,
+                  "the ranks were not started alike: some run as an elastic job (hddp-run "
+                  "--elastic, or torchrun's agent) and some do not; start every rank with the "
+                  "same launcher and settings");
+  }
   HDDP_LOG_INFO("train", "rank ", comm.rank(), " trains on ", device_.str(),
                 comm.device() != device_ ? " (" + std::string(backendName(comm.backend())) +
                                                " communicates from " + comm.device().str() + ")"
@@ -352,28 +367,19 @@ TrainSummary Trainer::Impl::fit() {
     agreedStart = static_cast<int64_t>(t[1].item<double>());
   }
   resumeForFit();
-  elastic_.started(comm_.rank(), comm_.size(), step_, reached, run_.resumed, options_.saveDir,
-                   agreedStart);
-  reporter_ = train::Reporter(
-      options_.metricsPath, comm_.rank(),
-      /*append=*/run_.resumed || elastic_.restarts() > 0, options_.progress != ProgressMode::Off,
-      options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
-  reporter_.config(runConfig());
-  // Rank 0 opens TensorBoard's file, and the barrier tells every rank whether it could:
-  // a folder it cannot write fails the run on every rank at once, rather than leave the
-  // others in the next collective until its timeout.
-  std::exception_ptr tensorBoardError;
-  try {
+  // The files each rank opens now (the sample log, the progress marks, the metrics file;
+  // rank 0 TensorBoard's), agreed: a file one rank cannot write fails the run on every
+  // rank at once, rather than leave the others in the next collective until its timeout.
+  agreeOutcome<ConfigError>(comm_, "opening the output files at the start of fit()", [&] {
+    elastic_.started(comm_.rank(), comm_.size(), step_, reached, run_.resumed, options_.saveDir,
+                     agreedStart);
+    reporter_ = train::Reporter(
+        options_.metricsPath, comm_.rank(),
+        /*append=*/run_.resumed || elastic_.restarts() > 0, options_.progress != ProgressMode::Off,
+        options_.progress == ProgressMode::Auto && ::isatty(STDERR_FILENO), options_.logEvery);
+    reporter_.config(runConfig());
     reporter_.startTensorBoard(options_.tensorboard, step_ + 1);
-  } catch (const std::exception&) {
-    tensorBoardError = std::current_exception();
-  }
-  const double ranksFailed = barrier(tensorBoardError ? 1 : 0);  // and a common time zero
-  if (tensorBoardError) {
-    std::rethrow_exception(tensorBoardError);
-  }
-  HDDP_CHECK_AS(ConfigError, ranksFailed == 0, "rank 0 could not open the TensorBoard folder ",
-                options_.tensorboard, " (its log says why)");
+  });  // also the run's common time zero
   timeline_.setOrigin(Clock::now());
   elastic_.startCommits(step_);
 
@@ -415,142 +421,6 @@ TrainSummary Trainer::Impl::fit() {
   }
   reporter_.summary(summary, run_.lastEvaluation);
   return summary;
-}
-
-void Trainer::Impl::resumeForFit() {
-  // The launcher's restart count, agreed: under torchrun's agent a node that joins counts
-  // its own failures (none), the others theirs.
-  at::Tensor agreed =
-      at::full({1}, static_cast<double>(elastic_.restarts()), at::kDouble).to(comm_.device());
-  comm_.allreduce(agreed, {ReduceOp::Max}).wait();
-  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-  const int restarts = static_cast<int>(agreed.cpu().item<double>());
-  // Under torchrun's agent a generation that follows a membership change has no restart
-  // to count: the job's own commits (its id in the file) say where it stands.
-  const bool agentJob = elastic_.underAgent() && !elastic_.runId().empty();
-  const std::string& resume = options_.resume;
-  budget_.endStep = 0;
-  budget_.secondsBefore = 0;
-  budget_.startStep = step_;
-  budget_.evaluationSeconds = 0;
-  bool resumed = false;
-  // On a restart or a new generation the newest commit of the save folder wins: `resume`
-  // (--resume) only starts a run whose save folder holds no state yet, so work committed
-  // since is never trained again.
-  if (options_.resumeOnRestart && !options_.saveDir.empty() && (restarts > 0 || agentJob)) {
-    // The same job's own commit: its time budget goes on (not a --resume of another run).
-    budget_.carry = options_.timeBudgetSeconds > 0;
-    run_.restarted = true;
-    train::LoadOptions newest;
-    newest.keep = true;  // a folder without the commit keeps the copy it receives
-    // Under the agent only this job's commits, whatever the count: a folder may hold
-    // another job's (torchrun's ids tell them apart; hddp-run's restarts are its own).
-    newest.onlyRunId = agentJob ? elastic_.runId() : std::string();
-    resumed = load(options_.saveDir, newest);
-    if (resumed) {
-      HDDP_LOG_SHARED("train", comm_.rank(),
-                      restarts > 0
-                          ? "restart " + std::to_string(restarts) + " by the launcher"
-                          : "a new generation of job '" + elastic_.runId() + "' (torchrun's agent)",
-                      ": resumed from the newest commit in ", options_.saveDir,
-                      resume.empty() || resume == options_.saveDir
-                          ? std::string()
-                          : " (not from " + resume + ", which only starts a run)");
-    }
-  }
-  // --resume starts a run that found nothing of its own; the save folder given to it
-  // counts whatever job wrote it (the user named it), unless it was just searched so.
-  const bool searchedWhole = run_.restarted && !agentJob;
-  if (!resumed && !resume.empty() && !(searchedWhole && resume == options_.saveDir)) {
-    budget_.carry = false;
-    run_.restarted = restarts > 0;
-    train::LoadOptions given;
-    given.keep = resume == options_.saveDir;
-    resumed = load(resume, given);
-  }
-  budget_.carry = false;
-  run_.restarted = false;
-  if (restarts == 0 && !resumed && !resume.empty() && resume != options_.saveDir &&
-      !options_.saveDir.empty() && !listStateFiles(options_.saveDir).empty()) {
-    HDDP_LOG_WARN("train", "the save folder ", options_.saveDir,
-                  " already holds state files; this run starts from ", resume,
-                  ", but a restart by the launcher resumes from the newest file there: move "
-                  "older files away if they belong to another attempt");
-  }
-}
-
-Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& samples) {
-  model_->train();
-  if (thisEpoch_.midEpoch) {
-    // The epoch's sums and steps so far came with the state (load()).
-    loader_->resume(thisEpoch_.sampler, currentPlan());
-    thisEpoch_.midEpoch = false;
-  } else {
-    loader_->startEpoch(epoch_, currentPlan());
-    thisEpoch_.lossSum = 0;
-    thisEpoch_.samples = 0;
-    thisEpoch_.steps = 0;
-  }
-  const auto epochStart = Clock::now();
-  bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
-  bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
-  for (;;) {
-    if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
-        (budget_.endStep > 0 && step_ >= budget_.endStep)) {
-      if (thisEpoch_.steps > 0 && loader_->stepsLeftInEpoch() == 0) {
-        // The epoch is complete: end it (evaluation, its state) rather than save an
-        // empty remainder that a resume would report and evaluate again.
-        stopAtEpochEnd = true;
-        break;
-      }
-      run_.stoppedEarly = true;
-      thisEpoch_.sampler = loader_->state();
-      thisEpoch_.midEpoch = true;  // a resume continues inside this epoch
-      return EpochEnd::Stopped;
-    }
-    const auto waitStart = Clock::now();
-    auto batch = loader_->next();
-    if (!batch) {
-      break;
-    }
-    timeline_.add("data wait", waitStart, Clock::now(), step_);
-    if (!runStep(*batch)) {
-      continue;  // a rank ran out of memory: the step is repeated under a new split
-    }
-    samples += batch->share.globalBatch;
-    ++thisEpoch_.steps;
-    elastic_.stepDone(step_, step_ == run_.startStep + 1, comm_.rank(), batch->share.indices);
-    if (options_.timeBudgetSeconds > 0) {
-      updateTimeBudget();
-    }
-    if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0 : elastic_.commitDue(step_)) {
-      if (loader_->stepsLeftInEpoch() == 0) {
-        commitAtEpochEnd = true;  // saved once, as the epoch's end, below
-      } else {
-        commit(summary);
-      }
-    }
-  }
-  if (stopAtEpochEnd) {
-    run_.stoppedEarly = epoch_ + 1 < options_.epochs;  // the evaluation knows it is the last
-  }
-  endEpoch(epochStart, thisEpoch_.steps, summary);
-  ++epoch_;
-  if (!options_.saveDir.empty()) {
-    summary.lastStateFile = save();
-    run_.lastSaved = step_;
-  }
-  if (commitAtEpochEnd) {
-    elastic_.committed(comm_, step_, summary.lastStateFile, run_.lastSaveStart);
-  }
-  return stopAtEpochEnd ? EpochEnd::StopsTheRun : EpochEnd::Complete;
-}
-
-double Trainer::Impl::barrier(double contribution) {
-  at::Tensor t = at::full({1}, contribution, at::TensorOptions().device(comm_.device()));
-  comm_.allreduce(t).wait();
-  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-  return t.cpu().item<double>();
 }
 
 Trainer::Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> model,

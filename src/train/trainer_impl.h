@@ -17,6 +17,7 @@
 #include "train/elastic.h"
 #include "train/memory_meter.h"
 #include "train/reporter.h"
+#include "train/step_rollback.h"
 #include "train/trainer_state.h"
 
 namespace hddp {
@@ -89,6 +90,7 @@ class Trainer::Impl {
   enum class EpochEnd { Complete, StopsTheRun, Stopped };
   /// fit()'s resume: the given `resume`, or on a launcher's restart the newest commit.
   void resumeForFit();
+  bool agreedFolders();
   /// One epoch (or the rest of one), its end, evaluation and state file.
   EpochEnd runEpoch(TrainSummary& summary, int64_t& samples);
 
@@ -112,8 +114,6 @@ class Trainer::Impl {
   /// The user's evaluation, timed; an empty result keeps the last one.
   std::map<std::string, double> evaluate();
   void endEpoch(Clock::time_point epochStart, int64_t epochSteps, TrainSummary& summary);
-  /// Blocks until every rank arrives; returns the sum of `contribution` over the ranks.
-  double barrier(double contribution = 0);
   train::StateParts stateParts();
   std::string saveMidEpoch();
 
@@ -159,6 +159,9 @@ class Trainer::Impl {
   std::vector<RankCost> seedCosts_;
   // Which ranks share the save folder (found at the first save or resume).
   train::FolderGroups saveFolders_;
+  // A step's buffers and RNG before its forward, for a step that is abandoned (set when
+  // out-of-memory recovery is on).
+  std::unique_ptr<train::StepRollback> rollback_;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;

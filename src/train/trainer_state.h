@@ -150,7 +150,10 @@ struct LoadOptions {
   /// Only files whose run_id is this (empty: any file).
   std::string onlyRunId;
   /// The directory is the save folder: a folder without the newest commit keeps the copy
-  /// it receives.
+  /// it receives, and the folder groups found are kept for the saves that follow. Must be
+  /// the same on every rank: decide it with an agreement (hddp/comm/exchange.h), never
+  /// from this rank's paths alone (with a save folder per rank, `--resume fold0` is the
+  /// save folder of rank 0 only).
   bool keep = false;
 };
 

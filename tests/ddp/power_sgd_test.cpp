@@ -19,11 +19,14 @@
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
+#include "support/power_sgd_steps.h"
 #include "support/emulated_device.h"
 #include "support/ranks.h"
 
 namespace {
 
+using hddp::testing::makeBucket;
+using hddp::testing::runStep;
 using hddp::testing::runThreads;
 
 int freeLoopbackPort() {
@@ -39,53 +42,6 @@ int freeLoopbackPort() {
   }
   ::close(fd);
   return ntohs(addr.sin_port);
-}
-
-// A bucket of gradients of the given shapes, the buffer holding `values`.
-hddp::GradBucket makeBucket(int index, bool last, const std::vector<std::vector<int64_t>>& shapes,
-                            const at::Tensor& values) {
-  hddp::GradBucket b;
-  b.index = index;
-  b.isLast = last;
-  b.buffer = values.clone();
-  int64_t at = 0;
-  for (const auto& s : shapes) {
-    b.parameters.push_back(at::empty(s, values.options()));
-    b.offsets.push_back(at);
-    at += b.parameters.back().numel();
-  }
-  EXPECT_EQ(at, values.numel());
-  return b;
-}
-
-// One step of a hook over the buckets, as DDP runs it: each bucket's hook in order,
-// every first round waited for, then each `then` in order, waited for, then the finishes.
-void runStep(const hddp::CommHook& hook, hddp::Communicator& comm,
-             std::vector<hddp::GradBucket>& buckets) {
-  std::vector<hddp::CommHookResult> first;
-  for (auto& b : buckets) {
-    first.push_back(hook(comm, b));
-  }
-  for (auto& r : first) {
-    r.work.wait();
-  }
-  std::vector<hddp::CommHookResult> second(first.size());
-  for (size_t i = 0; i < first.size(); ++i) {
-    if (first[i].then) {
-      second[i] = first[i].then();
-    }
-  }
-  for (auto& r : second) {
-    r.work.wait();
-  }
-  for (size_t i = 0; i < first.size(); ++i) {
-    if (first[i].finish) {
-      first[i].finish();
-    }
-    if (second[i].finish) {
-      second[i].finish();
-    }
-  }
 }
 
 // The reference file power_sgd_reference.py writes: an index and float32 data.

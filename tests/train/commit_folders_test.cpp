@@ -8,8 +8,10 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -26,10 +28,15 @@ namespace {
 
 // The trainer of these tests: a small MLP, 40 samples of 4 features, batch 8 (5 steps per
 // epoch), SGD with momentum; the rank's parameters after fit() go to `params`.
+// `configure` changes the options last. A collective that waits a minute fails the test
+// (a rank that runs other exchanges than the rest) rather than hang it.
 hddp::TrainSummary train(int rank, int size, hddp::Store& store, const std::string& saveDir,
                          int64_t maxSteps, const hddp::LaunchInfo* launch,
-                         std::vector<at::Tensor>* params = nullptr) {
-  auto comm = hddp::makeCommunicator(store, rank, size);
+                         std::vector<at::Tensor>* params = nullptr,
+                         const std::function<void(hddp::TrainerOptions&)>& configure = nullptr) {
+  hddp::CommunicatorOptions c;
+  c.timeout = std::chrono::seconds(60);
+  auto comm = hddp::makeCommunicator(store, rank, size, c);
   // One initial model in every run: the ranks are threads of one process, whose global
   // generator they would otherwise draw from in turns.
   static std::mutex initialising;
@@ -50,6 +57,9 @@ hddp::TrainSummary train(int rank, int size, hddp::Store& store, const std::stri
   o.saveEvery = 3;
   if (launch) {
     o.launch = *launch;
+  }
+  if (configure) {
+    configure(o);
   }
   auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(40, 1, 2, 3, /*seed=*/5);
   hddp::Trainer trainer(
@@ -156,6 +166,110 @@ TEST(CommitFolders, AFolderWithoutTheNewestCommitReceivesItAtTheResume) {
     SCOPED_TRACE("rank 1 against rank 0");
     expectSameParameters(resumed[1], resumed[0]);
   }
+}
+
+// A save folder per rank and a --resume that names rank 0's (issue #48, item 1): whether
+// the resume is the save folder, and whether the cached folder groups are stale, are
+// agreed by every rank. Before, rank 0 took fold0 for its save folder and kept the groups
+// found for it while rank 1 found them again at the first save: rank 0 waited in
+// partsToWriters (ZeRO), rank 1 in folderGroups, until the timeout.
+TEST(CommitFolders, AResumeOfOneRanksFolderIsDecidedTogether) {
+  const std::string root = hddp::testing::makeTempDir();
+  auto fold = [&](int rank) { return root + "/fold" + std::to_string(rank); };
+  auto zero = [](int stage) {
+    return [stage](hddp::TrainerOptions& o) {
+      o.zero = stage;
+      o.shardBy = hddp::parseShardBy("equal");
+    };
+  };
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    train(rank, size, store, fold(rank), /*maxSteps=*/4, nullptr, nullptr, zero(2));
+  });
+  for (const auto& e : fs::directory_iterator(fold(0))) {
+    fs::remove(e.path());  // rank 0's folder emptied
+  }
+  std::vector<hddp::TrainSummary> summaries(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    summaries[static_cast<size_t>(rank)] = train(rank, size, store, fold(rank), /*maxSteps=*/8,
+                                                 nullptr, nullptr, [&](hddp::TrainerOptions& o) {
+                                                   zero(1)(o);
+                                                   o.resume = fold(0);
+                                                 });
+  });
+  for (const auto& s : summaries) {
+    EXPECT_EQ(s.steps, 8) << "fold0 holds nothing: the run starts fresh on every rank";
+  }
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(fs::exists(hddp::stateFileName(fold(r), 8))) << fold(r);
+  }
+  // A launcher's restart whose save folders hold nothing: every rank goes on to --resume
+  // together (before, rank 0 skipped it as its own save folder, already searched, and
+  // rank 1 loaded fold0 alone).
+  for (int r = 0; r < 2; ++r) {
+    for (const auto& e : fs::directory_iterator(fold(r))) {
+      fs::remove(e.path());
+    }
+  }
+  hddp::LaunchInfo restarted;
+  restarted.jobRestarts = 1;
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    summaries[static_cast<size_t>(rank)] =
+        train(rank, size, store, fold(rank), /*maxSteps=*/3, &restarted, nullptr,
+              [&](hddp::TrainerOptions& o) { o.resume = fold(0); });
+  });
+  for (const auto& s : summaries) {
+    EXPECT_EQ(s.steps, 3);
+  }
+  // A save folder on some ranks only is a ConfigError on every rank, not a hang.
+  std::vector<std::string> errors(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    try {
+      train(rank, size, store, rank == 0 ? fold(0) : std::string(), 2, nullptr, nullptr,
+            [&](hddp::TrainerOptions& o) { o.saveEvery = rank == 0 ? 3 : 0; });
+    } catch (const hddp::ConfigError& e) {
+      errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+    }
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("the ranks were given different TrainerOptions::saveDir (rank 0: given, "
+                     "rank 1: none)"),
+              std::string::npos)
+        << e;
+  }
+}
+
+// Two folders holding different files of the same step (rank 1's folder was reused from
+// another attempt, which trained in another order): every rank loads the lowest folder's
+// file, so the ranks start from one state. Before, each loaded its own copy and the
+// replicas trained on apart from each other without a word.
+TEST(CommitFolders, FilesOfTheSameStepWithOtherBytesAreReplacedNotLoaded) {
+  const std::string root = hddp::testing::makeTempDir();
+  const std::string a = root + "/a", b = root + "/b", other = root + "/other";
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    train(rank, size, store, rank == 0 ? a : b, /*maxSteps=*/4, nullptr);
+  });
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    train(rank, size, store, other, /*maxSteps=*/4, nullptr, nullptr,
+          [](hddp::TrainerOptions& o) { o.seed = 11; });  // another order of the samples
+  });
+  fs::copy_file(hddp::stateFileName(other, 4), hddp::stateFileName(b, 4),
+                fs::copy_options::overwrite_existing);
+  ASSERT_NE(hddp::readStateFile(hddp::stateFileName(a, 4)),
+            hddp::readStateFile(hddp::stateFileName(b, 4)));
+  hddp::LaunchInfo restarted;
+  restarted.jobRestarts = 1;
+  std::vector<std::vector<at::Tensor>> params(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    train(rank, size, store, rank == 0 ? a : b, /*maxSteps=*/5, &restarted,
+          &params[static_cast<size_t>(rank)]);
+  });
+  ASSERT_EQ(params[0].size(), params[1].size());
+  for (size_t i = 0; i < params[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(params[0][i], params[1][i])) << "tensor " << i << ": the ranks differ";
+  }
+  // b's file of step 4 was replaced by a's (the folders keep the commit they load).
+  EXPECT_EQ(hddp::readStateFile(hddp::stateFileName(a, 4)),
+            hddp::readStateFile(hddp::stateFileName(b, 4)));
 }
 
 // A folder whose files are all damaged is passed over when another folder has a valid

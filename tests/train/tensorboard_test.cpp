@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -36,6 +37,7 @@
 
 #if HDDP_TEST_TENSORBOARD
 #include "train/event_file.h"
+#include "train/reporter.h"
 #endif
 
 namespace {
@@ -573,11 +575,14 @@ TEST(TrainerTensorBoard, AFolderRank0CannotMakeFailsEveryRankAtOnce) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(errors[0].find("cannot create the TensorBoard folder " + folder), std::string::npos)
       << errors[0];
-  EXPECT_NE(errors[1].find("rank 0 could not open the TensorBoard folder " + folder +
-                           " (its log says why)"),
+  EXPECT_NE(errors[1].find("opening the output files at the start of fit() failed on rank 0: "
+                           "hddp: cannot create the TensorBoard folder " +
+                           folder),
             std::string::npos)
       << errors[1];
-  EXPECT_LT(seconds, 20.0);
+  // A ConfigError on both ranks, not a TimeoutError: rank 1 did not wait for rank 0. The
+  // time is for the log only (no test requires a speed).
+  std::cout << "both ranks failed in " << seconds << " s\n";
   removeTree(dir);
 }
 
@@ -673,6 +678,32 @@ TEST(TrainerTensorBoard, TheLearningRateOfAnyOptimizerThatKnowsItIsWritten) {
   }
   EXPECT_TRUE(scalarsIn(dir + "/does_not", "train/lr").empty());
   EXPECT_EQ(scalarsIn(dir + "/does_not", "train/loss").size(), 8u);
+  removeTree(dir);
+}
+
+// A step in which rank 0 had no samples has no loss of rank 0's share: no train/loss
+// point (it was written as 0, a loss the run never had); the other tags are written.
+TEST(TrainerTensorBoard, AStepWithoutSamplesOnRank0WritesNoLoss) {
+  const std::string dir = hddp::testing::makeTempDir();
+  {
+    hddp::train::Reporter reporter("", 0, false, false, false, 1);
+    reporter.startTensorBoard(dir, 1);
+    for (int64_t step = 1; step <= 3; ++step) {
+      hddp::train::StepReport r;
+      r.step = step;
+      r.globalBatch = 16;
+      r.localBatch = step == 2 ? 0 : 8;
+      r.plan = {r.localBatch, 16 - r.localBatch};
+      r.loss = step == 2 ? 0.0 : 1.5;
+      r.stepSeconds = 0.1;
+      reporter.step(r);
+    }
+  }
+  const auto loss = scalarsIn(dir, "train/loss");
+  ASSERT_EQ(loss.size(), 2u);
+  EXPECT_EQ(loss[0].first, 1);
+  EXPECT_EQ(loss[1].first, 3);
+  EXPECT_EQ(scalarsIn(dir, "share/rank0").size(), 3u);
   removeTree(dir);
 }
 

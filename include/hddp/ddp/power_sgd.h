@@ -20,9 +20,10 @@
 //   (its input) - (the reduced result) / n. With equal shares that is PyTorch's memory
 //   divided by n, and the steps agree with PyTorch's to float rounding; with any shares
 //   the memories sum to the whole compression error, so a change of plan biases nothing.
-// - A step whose reduced gradient is not finite (a float16 overflow the GradScaler
-//   will skip) leaves the error memory as it was and drops the bucket's Q memory, which
-//   the next step draws afresh; PyTorch's memory would hold inf/NaN from then on.
+// - A step whose reduced gradient is not finite in any bucket (a float16 overflow the
+//   GradScaler will skip) leaves every bucket's error and Q memories as they were before
+//   it; PyTorch's memory would hold inf/NaN from then on. A step abandoned after an
+//   out-of-memory error is undone whole by discardStep(), its count included.
 // - P and Q may travel in float16 or bfloat16 (`wireType`); they are computed and kept
 //   in the gradients' type.
 // - PyTorch's `batch_tensors_with_same_shape` is not offered (the same result, batched).
@@ -98,9 +99,36 @@ class PowerSgdState {
   /// Drops the error and Q memories (the step count stays), logging `why`: for a new
   /// membership whose ranks no longer hold the memories they made.
   void resetMemories(const std::string& why);
+  /// Undoes everything the last step did to this state (error and Q memories, the random
+  /// draws, the step count), for a step that is not applied: abandoned after some rank ran
+  /// out of memory, and repeated. Then the repeat trains as a straight run of its split
+  /// would. Call it on every rank after the step's backward ended (DDP's finalize) and
+  /// before the next step's backward; a second call, or one before any step or right
+  /// after loadStateDict(), does nothing.
+  ///
+  /// A step whose reduced gradient is not finite in some bucket (a float16 overflow that
+  /// the GradScaler skips) is undone by the hook itself at the step's last bucket: no
+  /// bucket's memories change, and only the step count goes on (as PyTorch's `iter`).
+  void discardStep();
 
  private:
   friend struct PowerSgdAccess;
+  // What the state held before the step in progress (or the last one): the memories'
+  // tensors are replaced at a step's end, never written in place, so holding the maps
+  // holds their old values.
+  struct StepUndo {
+    bool open = false;      // a step began since the last discard or load
+    bool lastSeen = false;  // its last bucket was handed over: the next one begins a step
+    bool finite = true;     // every bucket of the step so far reduced to finite values
+    int64_t step = 0;
+    int64_t draws = 0;
+    std::map<int, at::Tensor> error;
+    std::map<int, at::Tensor> q;
+    bool startLogged = false;
+  };
+  void beginStep();
+  void undoMemories();  // error, Q and draws as before the step (not the count)
+  StepUndo undo_;
   PowerSgdOptions options_;
   int64_t step_ = 0;
   int64_t draws_ = 0;  // random starting Qs drawn so far (the seed of the next)

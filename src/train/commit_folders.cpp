@@ -237,9 +237,11 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
     // source's, so that every rank loads the same state.
     lacks[static_cast<size_t>(r)] = !sameStep || crcs[static_cast<size_t>(w)] != chosenCrc;
     if (sameStep && lacks[static_cast<size_t>(r)] && r == rank && groups.writes(rank)) {
-      HDDP_LOG_WARN("train", "the save folder ", groups.dir, " holds another file of step ",
-                    chosen.step, " than rank ", source, "'s folder (another attempt's?): rank ",
-                    source, "'s is loaded", keep ? " and replaces it" : "");
+      // Each writer's copy of one commit differs in its own clock's readings (the time
+      // budget), so this is the usual case with folders per rank, not only a stale file.
+      HDDP_LOG_INFO("train", "the save folder ", groups.dir, "'s file of step ", chosen.step,
+                    " differs from rank ", source, "'s: rank ", source, "'s is loaded",
+                    keep ? " and replaces it" : "");
     }
     chosen.receivers += lacks[static_cast<size_t>(r)] ? 1 : 0;
   }

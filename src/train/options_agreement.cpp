@@ -39,7 +39,9 @@ std::vector<std::pair<std::string, std::string>> collectiveShapingOptions(const 
       {"maxSteps", text(o.maxSteps)},
       {"timeBudgetSeconds", text(o.timeBudgetSeconds)},
       {"seed", text(o.seed)},
-      {"amp", ampModeName(o.amp)},
+      // bf16 or off may differ by rank (--amp auto picks bf16 where it is native): only
+      // fp16 brings collectives (the GradScaler's found-inf).
+      {"amp.fp16", text(o.amp == AmpMode::Fp16)},
       {"clipGradNorm", text(o.clipGradNorm)},
       {"balance", text(o.balance)},
       {"seedPlan", text(o.seedPlan)},

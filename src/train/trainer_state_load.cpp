@@ -141,6 +141,8 @@ std::string chooseStateFile(Communicator& comm, const std::string& file) {
       readStateFile(file);
     } catch (const c10::Error& e) {
       problem = e.what_without_backtrace();
+    } catch (const std::exception& e) {  // bad_alloc: the others must still hear of it
+      problem = e.what();
     }
   const std::string mine = problem.empty() ? file : "!" + problem;
   const auto all = comm.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));

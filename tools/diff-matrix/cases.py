@@ -1,0 +1,165 @@
+"""Seeded random configurations of the differential matrix, and their case folders.
+
+A case folder holds what the C++ driver (bench/diff_matrix.cpp) reads:
+- case.json: the configuration (see draw());
+- data.safetensors: the initial state dict as `init/<name>`, and each micro-step's
+  global micro-batch as `x/<step>/<micro>` (float64 [n, in]) and `y/<step>/<micro>`
+  (int64 [n] classes for "ce", float64 [n, out] for "mse"). Rank r's samples of a
+  micro-step are the rows after those of ranks 0..r-1 (splits[step][micro]).
+"""
+import json
+import os
+import random
+
+import torch
+from safetensors.torch import save_file
+
+import zoo
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def _split(rng, n, world, at_least):
+    """n samples over `world` ranks at random, each rank >= at_least (zeros allowed at 0)."""
+    counts = [at_least] * world
+    for _ in range(n - at_least * world):
+        counts[rng.randrange(world)] += 1
+    if at_least == 0 and rng.random() < 0.3:
+        # Lopsided on purpose: one rank takes everything, or one rank gets nothing.
+        if rng.random() < 0.5:
+            counts = [0] * world
+            counts[rng.randrange(world)] = n
+        elif world > 1:
+            z = rng.randrange(world)
+            moved, counts[z] = counts[z], 0
+            counts[(z + 1) % world] += moved
+    return counts
+
+
+def _optimizer(rng, kind=None):
+    kind = kind or rng.choice(OPTIMIZERS)
+    if kind == "sgd":
+        momentum = rng.choice([0.0, 0.9, round(rng.uniform(0.1, 0.95), 3)])
+        dampening = rng.choice([0.0, 0.0, 0.3]) if momentum > 0 else 0.0
+        return {"kind": kind, "lr": round(rng.uniform(0.01, 0.3), 4), "momentum": momentum,
+                "dampening": dampening,
+                "nesterov": bool(momentum > 0 and dampening == 0 and rng.random() < 0.5),
+                "weight_decay": rng.choice([0.0, 1e-3, 0.05])}
+    return {"kind": kind, "lr": round(rng.uniform(1e-3, 0.05), 5),
+            "betas": rng.choice([[0.9, 0.999], [0.8, 0.99], [0.5, 0.9]]),
+            "eps": rng.choice([1e-8, 1e-6]),
+            "weight_decay": rng.choice([0.0, 1e-2, 0.1]),
+            "amsgrad": rng.random() < 0.3}
+
+
+def draw(seed, **fixed):
+    """The configuration of `seed`. `fixed` pins keys: world, model, micro and steps
+    before the splits are drawn; any other top-level key replaces the drawn value (a
+    dict merges into it: optimizer={"kind": "adam"}, zero={"stage": 2}, ddp={...})."""
+    rng = random.Random(seed)
+    world = fixed.get("world", rng.randint(1, 3))
+    model = fixed.get("model", rng.choice(zoo.KINDS))
+    micro = fixed.get("micro", rng.choice([1, 1, 2, 3]))
+    steps = fixed.get("steps", rng.randint(2, 4))
+    dims = {"in": rng.randint(2, 6), "hidden": rng.randint(3, 8), "out": rng.randint(2, 4)}
+    loss = fixed.get("loss", rng.choice(["ce", "mse"]))
+    splits, heads = [], []
+    for _ in range(steps):
+        step_split, step_heads = [], []
+        only = rng.randrange(world)  # "bn": the rank that trains this whole step
+        for _ in range(micro):
+            if model == "syncbn":  # every rank needs a sample; BatchNorm needs two
+                n = rng.randint(max(2, world), 10)
+                counts = _split(rng, n, world, 1)
+            elif model == "bn":  # per-rank statistics are exact when one rank trains
+                n = rng.randint(2, 10)
+                counts = [n if r == only else 0 for r in range(world)]
+            else:
+                n = rng.randint(1, 10)
+                counts = _split(rng, n, world, 0)
+            step_split.append(counts)
+            step_heads.append([rng.random() < 0.4 for _ in range(world)])
+        splits.append(step_split)
+        heads.append(step_heads)
+    zero_stage = rng.choice([0, 0, 1, 2])
+    weights = [rng.choice([0.0, 1.0, 2.0, 3.0, round(rng.uniform(0.1, 4), 2)]) for _ in range(world)]
+    if sum(weights) == 0:
+        weights[rng.randrange(world)] = 1.0
+    big = 25 << 20
+    cfg = {
+        "seed": seed,
+        "world": world,
+        "model": model,
+        "dims": dims,
+        "loss": loss,
+        "steps": steps,
+        "micro": micro,
+        "splits": splits,
+        "heads": heads if model == "unused" else None,
+        "optimizer": _optimizer(rng),
+        "zero": {"stage": zero_stage, "weights": weights},
+        "clip": rng.choice([None, None, 0.05, 0.5, 5.0]),
+        "zero_grad_to_none": rng.random() < 0.6,
+        "ddp": {
+            "first_bucket_bytes": rng.choice([1 << 20, 256, 64]),
+            "bucket_cap_bytes": rng.choice([big, 512, 128]),
+            "gradient_as_bucket_view": rng.random() < 0.7,
+            "find_unused_parameters": model == "unused" or rng.random() < 0.2,
+        },
+    }
+    for key, value in fixed.items():
+        if key in ("world", "model", "micro", "steps"):
+            continue
+        assert key in cfg, f"unknown configuration key {key!r}"
+        if key == "optimizer" and value.get("kind", cfg[key]["kind"]) != cfg[key]["kind"]:
+            cfg[key] = _optimizer(random.Random(seed), value["kind"])
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
+    if cfg["zero"]["stage"]:
+        cfg["zero_grad_to_none"] = True  # ShardedOptimizer::zeroGrad sets them to none
+    else:
+        cfg["zero"]["weights"] = []
+    return cfg
+
+
+def summary(cfg):
+    """One short line: the axes of the configuration."""
+    o = cfg["optimizer"]
+    if o["kind"] == "sgd":
+        opt = f"sgd(m={o['momentum']:g}{',nest' if o['nesterov'] else ''}" \
+              f"{',damp' if o['dampening'] else ''},wd={o['weight_decay']:g})"
+    else:
+        opt = f"{o['kind']}(wd={o['weight_decay']:g}{',ams' if o['amsgrad'] else ''})"
+    z = cfg["zero"]
+    zero = f"zero{z['stage']}" + (":" + "/".join(f"{w:g}" for w in z["weights"]) if z["stage"] else "")
+    split = "|".join(",".join(":".join(str(c) for c in m) for m in s) for s in cfg["splits"])
+    if cfg["heads"] is not None:  # which ranks use the head, per micro-step
+        split += " heads=" + "|".join(",".join("".join("h" if f else "-" for f in m) for m in s)
+                                      for s in cfg["heads"])
+    d = cfg["ddp"]
+    return (f"seed={cfg['seed']} w={cfg['world']} {cfg['model']} {cfg['loss']} {opt} {zero}"
+            f" clip={cfg['clip']} micro={cfg['micro']} steps={cfg['steps']}"
+            f"{' none' if cfg['zero_grad_to_none'] else ' zeros'}"
+            f"{' view' if d['gradient_as_bucket_view'] else ' copy'}"
+            f"{' fup' if d['find_unused_parameters'] else ''} split={split}")
+
+
+def write(cfg, folder):
+    """Writes case.json and data.safetensors for `cfg` into `folder`."""
+    os.makedirs(folder, exist_ok=True)
+    seed = cfg["seed"]
+    model = zoo.make(cfg, seed)
+    tensors = {f"init/{k}": v.contiguous() for k, v in zoo.state_dict(model).items()}
+    g = torch.Generator().manual_seed(seed * 7919 + 17)
+    d = cfg["dims"]
+    for s, step in enumerate(cfg["splits"]):
+        for m, counts in enumerate(step):
+            n = sum(counts)
+            tensors[f"x/{s}/{m}"] = torch.randn(n, d["in"], generator=g, dtype=torch.float64)
+            if cfg["loss"] == "ce":
+                tensors[f"y/{s}/{m}"] = torch.randint(0, d["out"], (n,), generator=g)
+            else:
+                tensors[f"y/{s}/{m}"] = torch.randn(n, d["out"], generator=g, dtype=torch.float64)
+    # A tied weight is one tensor under two names: safetensors wants separate storage.
+    save_file({k: v.clone() for k, v in tensors.items()}, os.path.join(folder, "data.safetensors"))
+    with open(os.path.join(folder, "case.json"), "w") as f:
+        json.dump(cfg, f, indent=1)

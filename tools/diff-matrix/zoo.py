@@ -1,0 +1,68 @@
+"""The model zoo of the differential matrix, defined alike in bench/diff_matrix.cpp
+(same module names, same parameter and buffer names, same order of registration, same
+arithmetic): what the C++ driver trains on N ranks and the reference trains here on one.
+
+- mlp:    fc1 (Linear in->hidden), tanh, fc2 (Linear hidden->out)
+- bn:     fc1 (without bias: BatchNorm removes it, so its true gradient is 0 and what
+          Adam makes of the rounding noise, +-lr x noise/eps, is no reference's to match),
+          bn (BatchNorm1d, train mode), tanh, fc2
+- syncbn: as bn; the C++ side holds an hddp::SyncBatchNorm under the same name
+- tied:   fc1, tanh, enc (hidden->hidden), tanh, dec (whose weight IS enc.weight), tanh, fc2
+- unused: fc1, tanh, fc2, plus head (Linear in->out) added to the output of the samples
+          whose rank uses it in that micro-step (possibly none: then it has no gradient)
+"""
+import torch
+from torch import nn
+
+KINDS = ("mlp", "bn", "syncbn", "tied", "unused")
+
+
+class Zoo(nn.Module):
+    def __init__(self, kind, d_in, hidden, d_out):
+        super().__init__()
+        assert kind in KINDS, kind
+        self.kind = kind
+        self.fc1 = nn.Linear(d_in, hidden, bias=kind not in ("bn", "syncbn"))
+        if kind in ("bn", "syncbn"):
+            self.bn = nn.BatchNorm1d(hidden)
+        if kind == "tied":
+            self.enc = nn.Linear(hidden, hidden)
+            self.dec = nn.Linear(hidden, hidden)
+            self.dec.weight = self.enc.weight  # one tensor under two names
+        self.fc2 = nn.Linear(hidden, d_out)
+        if kind == "unused":
+            self.head = nn.Linear(d_in, d_out)
+
+    def forward(self, x, head_mask=None):
+        h = self.fc1(x)
+        if self.kind in ("bn", "syncbn"):
+            h = self.bn(h)
+        h = torch.tanh(h)
+        if self.kind == "tied":
+            h = torch.tanh(self.dec(torch.tanh(self.enc(h))))
+        y = self.fc2(h)
+        if self.kind == "unused" and head_mask is not None and bool(head_mask.any()):
+            idx = head_mask.nonzero().squeeze(1)
+            y = y.index_add(0, idx, self.head(x.index_select(0, idx)))
+        return y
+
+
+def make(cfg, seed):
+    """The model of a case with its initial weights (float64, from `seed`)."""
+    d = cfg["dims"]
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = Zoo(cfg["model"], d["in"], d["hidden"], d["out"]).double()
+    if cfg["model"] in ("bn", "syncbn"):
+        with torch.no_grad():  # running statistics that are not the defaults
+            model.bn.weight.uniform_(0.5, 1.5)
+            model.bn.bias.uniform_(-0.2, 0.2)
+            model.bn.running_mean.uniform_(-0.1, 0.1)
+            model.bn.running_var.uniform_(0.8, 1.2)
+    torch.random.set_rng_state(gen_state)
+    return model
+
+
+def state_dict(model):
+    """Every parameter (a tied one under each of its names) and buffer, detached."""
+    return {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}

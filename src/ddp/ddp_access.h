@@ -31,7 +31,8 @@ struct DdpAccess {
   /// True on every rank when some rank abandoned the last synchronized step: its
   /// gradients are then incomplete and the optimizer step must be skipped. The status
   /// travels in the last bucket's allreduce (one extra element), so this costs no extra
-  /// collective; reading it waits for the device.
+  /// collective; reading it waits for the device. An abandoned step then does not count
+  /// in DDP's step count (which paces DdpOptions::bufferSyncInterval).
   static bool lastStepAbandoned(DistributedDataParallel& ddp);
   /// Each bucket's allreduce in the last synchronized step, in launch order.
   static const std::vector<BucketTiming>& bucketTimes(const DistributedDataParallel& ddp);

@@ -128,6 +128,7 @@ class DistributedDataParallel::Impl {
   /// yet sent and a 1 in the status slot; false when every bucket was already sent.
   bool abandonStep();
   bool lastStepAbandoned();
+  bool discountIfAbandoned(bool abandoned);
   /// The last element of the last bucket (launched last): 0 from every rank that
   /// finished the step, 1 from a rank that abandoned it; summed by the allreduce.
   at::Tensor statusSlot();
@@ -187,6 +188,8 @@ class DistributedDataParallel::Impl {
   std::vector<Bucket> buckets_;
   double weight_ = 1.0;
   double bufferWeight_ = 0.0;  // sum of local/global since the buffers were last synced
+  double weightAfterStep_ = 0.0;   // bufferWeight_ when the last step ended
+  double weightBeforeStep_ = 0.0;  // ... when the one before it ended (undone with a step)
   bool batchSet_ = false;      // setBatch() was called since then
   bool noSync_ = false;
   bool stepActive_ = false;
@@ -197,6 +200,7 @@ class DistributedDataParallel::Impl {
   int nextBucket_ = 0;
   size_t readyCount_ = 0;
   int64_t step_ = 0;
+  bool stepCounted_ = false;  // finalize() counted the step; lastStepAbandoned() not read yet
   bool recordOrder_ = true;
   std::vector<int> readyOrder_;
   DdpStepStats stats_;

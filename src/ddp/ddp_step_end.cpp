@@ -160,10 +160,13 @@ void DistributedDataParallel::Impl::finalize() {
   }
   restoreUnusedEverywhere(untouched);
   ++step_;
+  stepCounted_ = true;
+  weightBeforeStep_ = weightAfterStep_;
   if (options_.bufferSync == BufferSync::WithGradients && !buffers_.empty() &&
       step_ % options_.bufferSyncInterval == 0) {
     syncBuffers();
   }
+  weightAfterStep_ = bufferWeight_;
   if (recordOrder_) {
     // Every rank takes this branch after its first synchronized step (whether or not
     // it had samples), so the broadcast of rank 0's order is matched everywhere.
@@ -193,7 +196,9 @@ void DistributedDataParallel::Impl::finalize() {
 // its slice, which the reduction overwrites): what .grad was, in case no rank used it.
 void DistributedDataParallel::Impl::keepPriorGradient(size_t index) {
   const Param& p = params_[index];
-  if (!options_.findUnusedParameters || p.used) {
+  // An abandoned step is never applied (the optimizer skips it and the repeat clears the
+  // gradients): nothing to keep, and no copy on a device that just ran out of memory.
+  if (!options_.findUnusedParameters || p.used || abandoning_) {
     return;
   }
   priorGrads_.resize(params_.size());
@@ -284,10 +289,26 @@ bool DistributedDataParallel::Impl::abandonStep() {
 
 bool DistributedDataParallel::Impl::lastStepAbandoned() {
   if (buckets_.empty()) {
-    return abandonedLocally_;
+    return discountIfAbandoned(abandonedLocally_);
   }
   // The slot holds the sum over ranks after the last bucket's allreduce.
-  return statusSlot().item<double>() > 0.5;
+  return discountIfAbandoned(statusSlot().item<double>() > 0.5);
+}
+
+// An abandoned step does not count: the step count paces bufferSyncInterval, and the
+// repeat must sync the buffers where a straight run of the new split does, with the
+// weights a straight run has. Every rank
+// reads the same status, so every rank takes the count back together (once per step).
+bool DistributedDataParallel::Impl::discountIfAbandoned(bool abandoned) {
+  if (abandoned && stepCounted_) {
+    // Nor do its shares weigh the buffers: they go back to the weight after the last step
+    // that stood (the step's buffers themselves are the caller's to put back).
+    --step_;
+    bufferWeight_ = weightBeforeStep_;
+    weightAfterStep_ = weightBeforeStep_;
+  }
+  stepCounted_ = false;
+  return abandoned;
 }
 
 // The last element of the last bucket (launched last): 0 from every rank that
@@ -312,6 +333,7 @@ void DistributedDataParallel::Impl::syncBuffers() {
     detail::averageCoalesced(comm_, buffers_, batchSet_ ? bufferWeight_ : 1.0);
   }
   bufferWeight_ = 0.0;
+  weightAfterStep_ = 0.0;
   batchSet_ = false;
 }
 

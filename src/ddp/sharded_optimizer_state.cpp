@@ -246,10 +246,10 @@ void ShardedOptimizer::Impl::loadShards(const std::vector<std::vector<uint8_t>>&
                   " optimizer; this one is ", kindName(kind_));
   }
   auto options = savedGroups(archives);
-  // Parameters of this shard lose the state they had: the parts are the truth.
-  for (int i = layout_.begin[rank]; i < layout_.end[rank]; ++i) {
-    optimizer_.state().erase(params_[i].unsafeGetTensorImpl());
-  }
+  // The shard's states are read into `staged` and installed only when every part has
+  // been read: a part that does not fit throws before the optimizer changes.
+  std::vector<std::pair<c10::TensorImpl*, std::unique_ptr<torch::optim::OptimizerParamState>>>
+      staged;
   for (size_t part = 0; part < archives.size(); ++part) {
     auto& archive = archives[part];
     at::Tensor indices;
@@ -285,8 +285,15 @@ void ShardedOptimizer::Impl::loadShards(const std::vector<std::vector<uint8_t>>&
       auto state = newState(kind_);
       state->serialize(one);
       moveState(*state, params_[i]);
-      optimizer_.state()[params_[i].unsafeGetTensorImpl()] = std::move(state);
+      staged.emplace_back(params_[i].unsafeGetTensorImpl(), std::move(state));
     }
+  }
+  // Parameters of this shard lose the state they had: the parts are the truth.
+  for (int i = layout_.begin[rank]; i < layout_.end[rank]; ++i) {
+    optimizer_.state().erase(params_[i].unsafeGetTensorImpl());
+  }
+  for (auto& item : staged) {
+    optimizer_.state()[item.first] = std::move(item.second);
   }
   // The saved options replace the program's, as optimizer.load() does for a whole
   // optimizer: on every rank, a rank without a shard included (its groups are empty).

@@ -137,7 +137,8 @@ FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool creat
 }
 
 ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
-                          const std::function<bool(const std::string&)>& accept, bool keep) {
+                          const std::function<bool(const std::string&)>& accept, bool keep,
+                          const std::function<uint64_t(const std::string&)>& identify) {
   HDDP_CHECK(static_cast<int>(groups.writer.size()) == comm.size(),
              "chooseCommit: the folder groups are not this communicator's");
   const int rank = comm.rank();
@@ -161,10 +162,11 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
             continue;
           }
           const std::string name = fs::path(*it).filename().string();
-          // state-N.hddp, and its payload's CRC: two folders may hold different files of
+          // state-N.hddp, and the commit's id: two folders may hold different files of
           // the same step (a folder reused from another attempt), which must not both load.
+          const uint64_t id = identify ? identify(payload) : crc32Of(payload.data(), payload.size());
           found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5))) + " " +
-                  std::to_string(crc32Of(payload.data(), payload.size()));
+                  std::to_string(id);
           scanned = std::move(payload);
         } catch (const std::exception& e) {  // a damaged file, or one `accept` cannot read
           const auto* error = dynamic_cast<const c10::Error*>(&e);
@@ -191,7 +193,7 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   std::string problem;
   size_t passedOver = 0;
   std::vector<int64_t> steps(static_cast<size_t>(comm.size()), -1);
-  std::vector<uint32_t> crcs(static_cast<size_t>(comm.size()), 0);
+  std::vector<uint64_t> ids(static_cast<size_t>(comm.size()), 0);
   for (int r = 0; r < comm.size(); ++r) {
     const std::string line = stringOf(all[static_cast<size_t>(r)]);
     const size_t space = line.find(' ');
@@ -206,7 +208,7 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
     }
     const size_t gap = said.find(' ');
     steps[static_cast<size_t>(r)] = std::stoll(said.substr(0, gap));
-    crcs[static_cast<size_t>(r)] = static_cast<uint32_t>(std::stoul(said.substr(gap + 1)));
+    ids[static_cast<size_t>(r)] = std::stoull(said.substr(gap + 1));
     if (steps[static_cast<size_t>(r)] > chosen.step) {
       chosen.step = steps[static_cast<size_t>(r)];
       source = r;
@@ -229,19 +231,17 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   // Folders without the chosen step receive it from the source.
   const int myWriter = groups.writer[static_cast<size_t>(rank)];
   std::vector<bool> lacks(static_cast<size_t>(comm.size()), false);
-  const uint32_t chosenCrc = crcs[static_cast<size_t>(source)];
+  const uint64_t chosenId = ids[static_cast<size_t>(source)];
   for (int r = 0; r < comm.size(); ++r) {
     const int w = groups.writer[static_cast<size_t>(r)];
     const bool sameStep = steps[static_cast<size_t>(w)] == chosen.step;
-    // A file of the chosen step with other bytes is another attempt's: replaced by the
+    // A file of the chosen step of another commit is another attempt's: replaced by the
     // source's, so that every rank loads the same state.
-    lacks[static_cast<size_t>(r)] = !sameStep || crcs[static_cast<size_t>(w)] != chosenCrc;
+    lacks[static_cast<size_t>(r)] = !sameStep || ids[static_cast<size_t>(w)] != chosenId;
     if (sameStep && lacks[static_cast<size_t>(r)] && r == rank && groups.writes(rank)) {
-      // Each writer's copy of one commit differs in its own clock's readings (the time
-      // budget), so this is the usual case with folders per rank, not only a stale file.
-      HDDP_LOG_INFO("train", "the save folder ", groups.dir, "'s file of step ", chosen.step,
-                    " differs from rank ", source, "'s: rank ", source, "'s is loaded",
-                    keep ? " and replaces it" : "");
+      HDDP_LOG_WARN("train", "the save folder ", groups.dir, "'s file of step ", chosen.step,
+                    " is another attempt's than rank ", source, "'s: rank ", source,
+                    "'s is loaded", keep ? " and replaces it" : "");
     }
     chosen.receivers += lacks[static_cast<size_t>(r)] ? 1 : 0;
   }

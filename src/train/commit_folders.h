@@ -58,9 +58,13 @@ struct ChosenCommit {
 /// scans it (whether it belongs to this job); a file it refuses is passed over. A group
 /// without the chosen commit receives it from the lowest rank that has it; with `keep`
 /// the group's writer stores it in its folder. A folder whose files are all invalid is
-/// an error only when no folder has a valid one.
+/// an error only when no folder has a valid one. Two folders' files of the chosen step
+/// are one commit when `identify` (asked of the payload by the rank that scans it; unset:
+/// the payload's CRC) says the same of both; a file with another id is replaced (keep) or
+/// passed over, as another attempt's.
 ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
-                          const std::function<bool(const std::string& payload)>& accept, bool keep);
+                          const std::function<bool(const std::string& payload)>& accept, bool keep,
+                          const std::function<uint64_t(const std::string& payload)>& identify = {});
 
 }  // namespace train
 }  // namespace hddp

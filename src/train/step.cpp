@@ -85,10 +85,11 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
     optimizer_.zero_grad();
   }
   clock.forwardEnd = clock.start;
-  if (options_.recoverFromOutOfMemory && !hasSyncBatchNorm_) {
+  if ((options_.recoverFromOutOfMemory && !hasSyncBatchNorm_) || scaler_->isEnabled()) {
     // What the forward changes before the step is known to stand (BatchNorm's statistics,
-    // the generators): an abandoned step puts them back (repeatStep). Every step captures,
-    // one without samples too, so a restore never brings back an older step's.
+    // the generators): an abandoned step (repeatStep) and a step the GradScaler skips
+    // (optimizerStep) put them back. Every step captures, one without samples too, so a
+    // restore never brings back an older step's.
     if (!rollback_) {
       rollback_ = std::make_unique<train::StepRollback>(*model_, device_);
     }
@@ -180,6 +181,13 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
   const bool stepped = scaler_->step(optimizer_);
   if (stepped && sharded_) {
     sharded_->gatherParameters();
+  }
+  if (!stepped && rollback_) {
+    // A skipped step leaves no trace in BatchNorm's statistics or the generators (its
+    // batch stays spent, as in single-device training with a GradScaler; PowerSGD's
+    // memories were left as they were at decompression). Every rank skips together, and
+    // the restore is local, so SyncBatchNorm's equal statistics stay equal.
+    rollback_->restore();
   }
   scaler_->update();
   timer_->stop();  // on a device: an event after the optimizer's kernels, read later

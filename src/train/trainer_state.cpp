@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <random>
 #include <sstream>
 #include <vector>
 
@@ -103,6 +104,12 @@ namespace {
 std::vector<uint8_t> rankBlob(const StateParts& parts) {
   OutputArchive a;
   a.write("member", at::tensor(std::vector<int64_t>{memberId(parts)}, at::kLong));
+  if (parts.comm.rank() == 0) {
+    // Makes this commit's id (commitIdOf) differ from any other attempt's at the same step.
+    std::random_device entropy;
+    const int64_t nonce = (static_cast<int64_t>(entropy()) << 32) ^ entropy();
+    a.write("commit_nonce", at::tensor(std::vector<int64_t>{nonce}, at::kLong));
+  }
   a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));
   const c10::Device device = parts.device;
   if (device.type() != c10::kCPU) {
@@ -123,6 +130,18 @@ std::vector<uint8_t> rankBlob(const StateParts& parts) {
   }
   const std::string bytes = archiveBytes(a);
   return std::vector<uint8_t>(bytes.begin(), bytes.end());
+}
+
+// One commit's id, the same in every writer's copy: the ranks' gathered parts (rank 0's
+// holds a random nonce). The copies' other bytes may differ (each writer's clock in the
+// time budget), so a restart compares ids, not bytes (commit_folders.h, chooseCommit).
+int64_t commitIdOf(const std::vector<std::vector<uint8_t>>& blobs) {
+  std::vector<uint32_t> crcs;
+  crcs.reserve(blobs.size());
+  for (const auto& blob : blobs) {
+    crcs.push_back(crc32Of(blob.data(), blob.size()));
+  }
+  return static_cast<int64_t>(crc32Of(crcs.data(), crcs.size() * sizeof(uint32_t)));
 }
 
 }  // namespace
@@ -153,6 +172,7 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
   if (groups->writes(parts.comm.rank())) try {
       OutputArchive archive;
       archive.write("meta", encode(meta));
+      archive.write("commit_id", at::tensor(std::vector<int64_t>{commitIdOf(blobs)}, at::kLong));
       const StateMeta::Progress& g = meta.progress;
       archive.write(
           "progress",

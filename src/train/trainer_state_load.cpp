@@ -312,7 +312,18 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
         return file.try_read("run_id", id) && tensorBytes(id) == options.onlyRunId;
       };
     }
-    ChosenCommit chosen = chooseCommit(parts.comm, groups, ofThisJob, options.keep);
+    // One commit's copies in several folders differ in their writers' clocks: they are
+    // told apart by the id every writer wrote (files without one, by their bytes).
+    const auto commitId = [](const std::string& bytes) -> uint64_t {
+      InputArchive file;
+      file.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
+      at::Tensor id;
+      if (file.try_read("commit_id", id) && id.numel() == 1 && id.scalar_type() == at::kLong) {
+        return static_cast<uint64_t>(id.item<int64_t>());
+      }
+      return crc32Of(bytes.data(), bytes.size());
+    };
+    ChosenCommit chosen = chooseCommit(parts.comm, groups, ofThisJob, options.keep, commitId);
     loaded.path = chosen.path;
     payload = std::move(chosen.payload);
   }

@@ -147,7 +147,11 @@ TEST(LinkEmulation, TheRingStartsWhenTheInputIsReadyOnTheDevice_Emu) {
     hddp::Work first = comm->allreduce(grad);
     std::atomic<double> callbackAt{-1.0};
     first.onCompletion([&callbackAt, start] { callbackAt = secondsSince(start); });
-    EXPECT_FALSE(first.isCompleted()) << "completed before its input existed";
+    // Completed now only if the host was held up past the input and the ring (a loaded
+    // machine): the test needs no speed.
+    const bool completedNow = first.isCompleted();
+    EXPECT_TRUE(!completedNow || secondsSince(start) >= 1.0 + 0.100)
+        << "completed before its input existed";
     hddp::Work second = comm->allreduce(grad);
     first.wait();
     const double firstDone = secondsSince(start);

@@ -368,6 +368,55 @@ TEST(ShardedOptimizerStateGroups, AFileOfOtherParameterGroupsIsAStateErrorThatCh
       << e;
 }
 
+// A file that fails on a parameter's state (here fc3 has 36 elements there and 48 in this
+// model) changes nothing either: the states this optimizer had stay. Before, the shard's
+// states were erased first, so a refused file left the parameters without momentum.
+TEST(ShardedOptimizerStateGroups, AFileThatFailsOnAParametersStateKeepsTheStatesThereWere) {
+  struct WideImpl : torch::nn::Module {
+    WideImpl() {
+      fc1 = register_module("fc1", torch::nn::Linear(6, 12));
+      fc2 = register_module("fc2", torch::nn::Linear(12, 12));
+      fc3 = register_module("fc3", torch::nn::Linear(12, 4));
+    }
+    torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  };
+  const auto parts = twoGroupParts();
+  runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto net = std::make_shared<WideImpl>();
+    net->to(torch::kDouble);
+    hddp::DistributedDataParallel ddp(net, *comm);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    auto first = net->fc1->parameters();
+    for (const auto& p : net->fc2->parameters()) {
+      first.push_back(p);
+    }
+    groups.emplace_back(first, std::make_unique<torch::optim::SGDOptions>(
+                                   torch::optim::SGDOptions(0.05).momentum(0.9)));
+    groups.emplace_back(net->fc3->parameters(), std::make_unique<torch::optim::SGDOptions>(
+                                                    torch::optim::SGDOptions(0.02).momentum(0.9)));
+    torch::optim::SGD sgd(groups, torch::optim::SGDOptions(0.05));
+    hddp::ShardedOptimizer sharded(ddp, sgd, {});
+    const auto x = torch::randn({4, 6}, torch::kDouble);
+    ddp.setBatch(4, 4);
+    sharded.zeroGrad();
+    torch::cross_entropy_loss(net->fc3(torch::tanh(net->fc2(torch::tanh(net->fc1(x))))),
+                              torch::zeros({4}, torch::kLong))
+        .backward();
+    sharded.step();
+    ASSERT_EQ(sgd.state().size(), net->parameters().size());
+    std::string error;
+    try {
+      sharded.loadShards(parts);
+    } catch (const hddp::StateError& e) {
+      error = e.what_without_backtrace();
+    }
+    EXPECT_NE(error.find("elements there"), std::string::npos) << error;
+    EXPECT_EQ(sgd.state().size(), net->parameters().size())
+        << "a refused file took the optimizer's states away";
+  });
+}
+
 // A part as hddp wrote it before the groups were kept (format 1): states only. It loads;
 // the options stay the program's (and a warning says so).
 TEST(ShardedOptimizerStateGroups, AnOldPartWithoutGroupsLoadsWithTheProgramsOptions) {

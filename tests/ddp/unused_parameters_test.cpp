@@ -11,9 +11,13 @@
 #include <optional>
 #include <string>
 
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include "ddp/ddp_access.h"  // the Trainer's access to an abandoned step
 #include "hddp/comm/communicator.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/sharded_optimizer.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 
 namespace {
@@ -245,5 +249,63 @@ INSTANTIATE_TEST_SUITE_P(Ddp, UnusedParameters,
                          ::testing::Values(Mode::BucketViews, Mode::Copies, Mode::Zero1,
                                            Mode::Zero2),
                          modeName);
+
+// A rank that ran out of memory abandons its step: it must not then copy the gradients
+// of the parameters it did not use (kept so that a parameter no rank used keeps its
+// .grad), which the abandoned step never applies. Before the fix abandonStep() cloned
+// the spare head's zeros (after zero_grad(false)) on the device that had just run out
+// of memory: 4 MB here, counted by emu's allocator.
+TEST(Ddp, AnAbandonedStepCopiesNoGradientOfAnUnusedParameter_Emu) {
+  struct BigSpareImpl : torch::nn::Module {
+    BigSpareImpl() {
+      head = register_module("head", torch::nn::Linear(8, 3));
+      spare = register_module("spare", torch::nn::Linear(1000, 1000));
+    }
+    torch::nn::Linear head{nullptr}, spare{nullptr};
+  };
+  hddp::testing::emulatedDevice(0);  // installs emu
+  std::vector<int64_t> copied(2, -1);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    const c10::Device device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(rank));
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto net = std::make_shared<BigSpareImpl>();
+    net->to(device);
+    hddp::DdpOptions options;
+    options.findUnusedParameters = true;
+    hddp::DistributedDataParallel ddp(net, *comm, options);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    const at::Tensor x = torch::randn({4, 8}).to(device);
+    for (int step = 0; step < 2; ++step) {
+      sgd.zero_grad(/*set_to_none=*/false);
+      for (const auto& p : net->parameters()) {
+        if (!p.grad().defined()) {
+          p.mutable_grad() = torch::zeros_like(p);  // zeros, as zero_grad(false) leaves them
+        }
+      }
+      ddp.setBatch(4, 8);
+      if (step == 1 && rank == 1) {
+        // Out of memory before the backward: abandon, and count what that allocates.
+        auto* allocator = c10::getDeviceAllocator(device.type());
+        allocator->resetAccumulatedStats(device.index());
+        ASSERT_TRUE(hddp::detail::DdpAccess::abandonStep(ddp));
+        const auto stats = allocator->getDeviceStats(device.index());
+        copied[1] = stats.allocated_bytes[0].allocated;
+      } else {
+        torch::cross_entropy_loss(net->head(x), torch::zeros({4}, torch::kLong).to(device))
+            .backward();
+      }
+      const bool abandoned = hddp::detail::DdpAccess::lastStepAbandoned(ddp);
+      EXPECT_EQ(abandoned, step == 1) << "rank " << rank << ", step " << step;
+      if (!abandoned) {
+        sgd.step();
+      }
+    }
+  });
+  const int64_t spareBytes = 1000 * 1000 * 4;
+  EXPECT_GE(copied[1], 0);
+  EXPECT_LT(copied[1], spareBytes) << "abandonStep() allocated " << copied[1]
+                                   << " bytes: the unused parameters' gradients were copied";
+  hddp::emu::checkNoViolations();
+}
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -17,6 +18,7 @@
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/train/state_file.h"
 #include "hddp/train/trainer.h"
+#include "support/emulated_device.h"
 #include "support/ranks.h"
 #include "train/step_rollback.h"
 
@@ -113,10 +115,11 @@ RunResult trainRun(int rank, int size, hddp::Store& store,
 // file with that cap given, so it trains the same split straight. B must equal C bit for
 // bit: before the fix PowerSGD's memories and BatchNorm's statistics (num_batches_tracked
 // one higher) kept the abandoned step.
-TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
+void expectAbandonedEqualsStraight(const std::function<void(hddp::TrainerOptions&)>& common) {
   const std::string dir = hddp::testing::makeTempDir();
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      common(o);
       o.saveDir = dir + "/first";
       o.maxSteps = 4;
     });
@@ -127,6 +130,7 @@ TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     abandoned[static_cast<size_t>(rank)] =
         trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+          common(o);
           o.resume = saved;
           o.maxSteps = 8;
           hddp::EmulationOptions e;
@@ -139,6 +143,7 @@ TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
   ASSERT_LE(learned, 29) << "rank 1's cap was not learned";
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
     straight[static_cast<size_t>(rank)] = trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+      common(o);
       o.resume = saved;
       o.maxSteps = 8;
       o.maxLocalBatch = {0, learned};
@@ -166,6 +171,70 @@ TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
   }
 }
 
+TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
+  expectAbandonedEqualsStraight([](hddp::TrainerOptions&) {});
+}
+
+// DDP's step count paces the buffers' synchronisation (rank 0's BatchNorm statistics
+// broadcast every bufferSyncInterval steps): an abandoned step must not count, or the
+// repeat syncs one step early and rank 1's statistics end those of another schedule.
+// Before the fix rank 1's running mean differed from the straight run's.
+TEST(Trainer, AnAbandonedStepDoesNotShiftTheBufferSyncInterval) {
+  expectAbandonedEqualsStraight([](hddp::TrainerOptions& o) { o.ddp.bufferSyncInterval = 2; });
+}
+
+// A step the GradScaler skips (a float16 overflow on some rank: every rank skips) leaves
+// no trace in BatchNorm's statistics either: with a first scale of 2^40 the first step's
+// gradients overflow, so a one-step run ends with the model it started from, buffers
+// (running statistics and num_batches_tracked) included. Before the fix the skipped
+// forward's statistics stayed (num_batches_tracked 1). fp16 needs a device: emu.
+TEST(Trainer, ASkippedStepLeavesNoTraceInBatchNorm_Emu) {
+  hddp::testing::emulatedDevice(0);  // installs emu
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);  // Gloo, staging emu tensors
+    const c10::Device device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(rank));
+    BnNet model{nullptr};
+    {
+      std::lock_guard<std::mutex> lock(initMutex);
+      torch::manual_seed(7);
+      model = BnNet();
+    }
+    model->to(device);
+    std::map<std::string, at::Tensor> before;
+    for (const auto& item : model->named_parameters()) {
+      before[item.key()] = item.value().detach().cpu().clone();
+    }
+    for (const auto& item : model->named_buffers()) {
+      before[item.key()] = item.value().detach().cpu().clone();
+    }
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    hddp::TrainerOptions o;
+    o.globalBatch = 16;
+    o.maxSteps = 1;
+    o.balance = false;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 0;
+    o.amp = hddp::AmpMode::Fp16;
+    o.scaler.initScale = std::ldexp(1.0, 40);
+    o.scaler.backoffFactor = std::ldexp(1.0, -32);
+    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(64, 1, 8, 4, /*seed=*/3);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
+                          ds, o);
+    trainer.fit();
+    EXPECT_EQ(trainer.scaler().currentScale(), 256.0) << "rank " << rank << ": no step was skipped";
+    EXPECT_EQ(model->bn->num_batches_tracked.item<int64_t>(), 0) << "rank " << rank;
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(at::equal(item.value().detach().cpu(), before[item.key()]))
+          << "rank " << rank << ": " << item.key();
+    }
+    for (const auto& item : model->named_buffers()) {
+      EXPECT_TRUE(at::equal(item.value().detach().cpu(), before[item.key()]))
+          << "rank " << rank << ": " << item.key() << " kept the skipped step's statistics";
+    }
+  });
+  hddp::emu::checkNoViolations();
+}
+
 // The rollback itself: BatchNorm's statistics and the generators' draws of a forward
 // are put back, and a restore without a capture since the last one changes nothing.
 TEST(StepRollback, PutsBackBuffersAndRandomDraws) {
@@ -191,3 +260,4 @@ TEST(StepRollback, PutsBackBuffersAndRandomDraws) {
 }
 
 }  // namespace
+

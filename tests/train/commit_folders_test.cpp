@@ -272,6 +272,36 @@ TEST(CommitFolders, FilesOfTheSameStepWithOtherBytesAreReplacedNotLoaded) {
             hddp::readStateFile(hddp::stateFileName(b, 4)));
 }
 
+// Folders per rank, restarted untouched: each writer's copy of a commit holds its own
+// clock's readings, yet both are the same commit (the id every writer wrote), so nothing
+// is sent and no folder's file is replaced. Before, the copies' bytes were compared, so
+// every such restart sent rank 0's file to rank 1 and overwrote rank 1's copy.
+TEST(CommitFolders, AnUntouchedRestartOfFoldersPerRankSendsNothing) {
+  const std::string root = hddp::testing::makeTempDir();
+  const std::string a = root + "/a", b = root + "/b";
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    train(rank, size, store, rank == 0 ? a : b, /*maxSteps=*/4, nullptr);
+  });
+  const std::string before = hddp::readStateFile(hddp::stateFileName(b, 4));
+  ASSERT_NE(hddp::readStateFile(hddp::stateFileName(a, 4)), before)
+      << "the copies are alike: this test would not see bytes compared";
+  hddp::LaunchInfo restarted;
+  restarted.jobRestarts = 1;
+  std::vector<std::vector<at::Tensor>> params(2);
+  std::vector<hddp::TrainSummary> summaries(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    summaries[static_cast<size_t>(rank)] = train(rank, size, store, rank == 0 ? a : b,
+                                                 /*maxSteps=*/5, &restarted,
+                                                 &params[static_cast<size_t>(rank)]);
+  });
+  EXPECT_EQ(summaries[0].steps, 1) << "resumed at step 4";
+  for (size_t i = 0; i < params[0].size(); ++i) {
+    EXPECT_TRUE(at::equal(params[0][i], params[1][i])) << "tensor " << i << ": the ranks differ";
+  }
+  EXPECT_EQ(hddp::readStateFile(hddp::stateFileName(b, 4)), before)
+      << "rank 1's copy of step 4 was replaced by rank 0's";
+}
+
 // A folder whose files are all damaged is passed over when another folder has a valid
 // commit; with none valid anywhere it is the error it always was.
 TEST(CommitFolders, DamagedFilesInOneFolderGiveWayToAnotherFoldersCommit) {

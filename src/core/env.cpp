@@ -40,6 +40,12 @@ std::vector<Variable> makeRegistry() {
        "falling back to loopback.",
        {"GLOO_SOCKET_IFNAME"}},
       {"HDDP_GLOO_THREADS", Type::Int, "2", "Gloo worker threads per communicator.", {}},
+      {"HDDP_FAULT",
+       Type::String,
+       "",
+       "Faults on purpose (tests, chaos runs): e.g. kill@step=5,rank=1;nospace@save=2 "
+       "(hddp/core/fault.h, docs/reliability.md); off when empty, logged when on.",
+       {}},
       {"HDDP_EMULATE_SLOWDOWN",
        Type::String,
        "",

@@ -14,6 +14,7 @@
 #include <fstream>
 
 #include "hddp/core/error.h"
+#include "hddp/core/fault.h"
 #include "hddp/core/logging.h"
 #include "train/state_file_seam.h"
 
@@ -114,6 +115,7 @@ void writeStateFile(const std::string& path, const std::string& payload) {
   HDDP_CHECK_AS(StateError, fd >= 0, "cannot create ", tmp, ": ", std::strerror(errno));
   try {
     writeAll(fd, header.data(), header.size(), tmp);
+    fault::beforeSave(path);  // HDDP_FAULT's save=N: a full disk, after the header
     if (const auto hook = gWriteHook.load()) {
       hook(fd, tmp, payload);
     }

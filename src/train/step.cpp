@@ -10,6 +10,7 @@
 #include "ddp/ddp_access.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
+#include "hddp/core/fault.h"
 #include "hddp/core/logging.h"
 #include "train/out_of_memory.h"
 #include "train/trainer_impl.h"
@@ -45,6 +46,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   if (schedule_) {
     schedule_(info, optimizer_);
   }
+  fault::at(fault::Point::Step, step_ + 1);  // HDDP_FAULT's step=N (hddp/core/fault.h)
   StepClock clock;
   clock.start = Clock::now();
   timer_->start(StepLabel{step_, batch.share.localBatch, batch.bytes});

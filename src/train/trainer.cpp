@@ -19,6 +19,7 @@
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp/core/fault.h"
 #include "hddp/core/logging.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/topology/topology.h"
@@ -350,6 +351,11 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
+  // Faults on purpose (HDDP_FAULT): a rank whose variable does not parse fails with the
+  // others, not before their first collective.
+  agreeOutcome<ConfigError>(comm_, "reading HDDP_FAULT", [&] {
+    fault::arm(comm_.rank(), elastic_.restarts());
+  });
   int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
   int64_t agreedStart = 0;
   if (elastic_.enabled() || elastic_.underAgent()) {

@@ -1,0 +1,62 @@
+// Faults on purpose (issue #49): an injection point set by the environment, for tests,
+// benchmarks and chaos runs instead of ad-hoc kills. Off unless HDDP_FAULT is set, and
+// logged as a warning when on.
+//
+//   HDDP_FAULT="kill@step=5,rank=1;nospace@save=2;slow=3@step=10,rank=0,restart=*"
+//
+// Each entry is KIND@POINT=N with optional filters, entries separated by ';':
+//   KIND    kill (SIGKILL itself), raise (throws hddp::Error), hang (sleeps until killed),
+//           slow=SECONDS (sleeps, then goes on), nospace (a save fails as on a full disk;
+//           save only)
+//   POINT   step=N (before the forward of the job's step N, 1-based, counted as the
+//           Trainer counts its steps), save=N (the N-th state file this rank writes
+//           since fit() began)
+//   rank=R  only on rank R (default: every rank)
+//   restart=K  only in the job's K-th restart (torchrun's or Slurm's restart count);
+//           default 0, the first attempt, so that a resumed job does not meet the same
+//           fault again; * for every attempt
+//
+// Thread safety: the plan and the counts are per thread (the ranks of a test are threads
+// of one process); arm() on the thread that trains.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace hddp {
+namespace fault {
+
+enum class Kind { Kill, Raise, Hang, Slow, NoSpace };
+enum class Point { Step, Save };
+
+struct Fault {
+  Kind kind = Kind::Raise;
+  double seconds = 0;  // Slow
+  Point point = Point::Step;
+  int64_t at = 0;
+  int rank = -1;     // -1: every rank
+  int restart = 0;   // -1: every attempt
+  std::string text;  // the entry as given, for messages
+};
+
+/// Parses HDDP_FAULT's grammar (above). hddp::ConfigError naming the entry and what is
+/// wrong.
+std::vector<Fault> parse(const std::string& text);
+
+/// Reads HDDP_FAULT and keeps, for this thread, the faults meant for `rank` in the job's
+/// `restart`-th attempt; resets this thread's save count. Logs the armed faults.
+void arm(int rank, int restart);
+/// Forgets this thread's faults.
+void disarm();
+
+/// An injection point: acts on the first armed fault of `point` at `count`. For Save
+/// the count is kept here (call it once per state file written; it returns normally
+/// or throws). A fault acts once.
+void at(Point point, int64_t count);
+/// Save: counts this state file and throws a StateError "No space left on device" when
+/// a nospace fault is armed for it (other kinds act as at() does).
+void beforeSave(const std::string& path);
+
+}  // namespace fault
+}  // namespace hddp

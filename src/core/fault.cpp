@@ -1,0 +1,219 @@
+// Faults on purpose (hddp/core/fault.h).
+#include "hddp/core/fault.h"
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "hddp/core/env.h"
+#include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+
+namespace hddp {
+namespace fault {
+namespace {
+
+struct Armed {
+  std::vector<Fault> faults;
+  std::vector<bool> done;
+  int rank = -1;
+  int64_t saves = 0;
+};
+
+thread_local Armed armed;
+
+constexpr const char* kGrammar =
+    "KIND@POINT=N[,rank=R][,restart=K|*] entries separated by ';', KIND one of kill, raise, "
+    "hang, slow=SECONDS, nospace; POINT one of step, save";
+
+[[noreturn]] void bad(const std::string& entry, const std::string& what) {
+  HDDP_THROW(ConfigError, "HDDP_FAULT entry '", entry, "': ", what, " (expected ", kGrammar, ")");
+}
+
+int64_t number(const std::string& entry, const std::string& text, const char* what) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || v < 0) {
+    bad(entry, std::string(what) + " '" + text + "' is not a non-negative integer");
+  }
+  return v;
+}
+
+std::vector<std::string> split(const std::string& text, char sep) {
+  std::vector<std::string> out;
+  std::string item;
+  std::istringstream in(text);
+  while (std::getline(in, item, sep)) {
+    out.push_back(item);
+  }
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  const auto e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? "" : s.substr(b, e - b + 1);
+}
+
+const char* pointName(Point p) { return p == Point::Step ? "step" : "save"; }
+
+void act(const Fault& f, const std::string& where) {
+  HDDP_LOG_WARN("fault", "injecting '", f.text, "' (HDDP_FAULT) ", where);
+  switch (f.kind) {
+    case Kind::Kill:
+      std::fflush(nullptr);
+      std::raise(SIGKILL);
+      break;
+    case Kind::Raise:
+      HDDP_THROW(Error, "fault injected by HDDP_FAULT ('", f.text, "') ", where);
+    case Kind::Hang:
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::hours(1));
+      }
+    case Kind::Slow:
+      std::this_thread::sleep_for(std::chrono::duration<double>(f.seconds));
+      break;
+    case Kind::NoSpace:
+      HDDP_THROW(StateError, "No space left on device (fault injected by HDDP_FAULT, '", f.text,
+                 "') ", where);
+  }
+}
+
+}  // namespace
+
+std::vector<Fault> parse(const std::string& text) {
+  std::vector<Fault> out;
+  for (const std::string& raw : split(text, ';')) {
+    const std::string entry = trim(raw);
+    if (entry.empty()) {
+      continue;
+    }
+    Fault f;
+    f.text = entry;
+    const auto atSign = entry.find('@');
+    if (atSign == std::string::npos) {
+      bad(entry, "no '@' between the kind and the point");
+    }
+    const std::string kind = entry.substr(0, atSign);
+    if (kind == "kill") {
+      f.kind = Kind::Kill;
+    } else if (kind == "raise") {
+      f.kind = Kind::Raise;
+    } else if (kind == "hang") {
+      f.kind = Kind::Hang;
+    } else if (kind == "nospace") {
+      f.kind = Kind::NoSpace;
+    } else if (kind.rfind("slow=", 0) == 0) {
+      f.kind = Kind::Slow;
+      try {
+        size_t used = 0;
+        f.seconds = std::stod(kind.substr(5), &used);
+        if (used != kind.size() - 5 || !(f.seconds >= 0) || f.seconds > 86400) {
+          bad(entry, "slow's seconds must be a number from 0 to 86400");
+        }
+      } catch (const std::logic_error&) {
+        bad(entry, "slow's seconds must be a number from 0 to 86400");
+      }
+    } else {
+      bad(entry, "unknown kind '" + kind + "'");
+    }
+    const auto parts = split(entry.substr(atSign + 1), ',');
+    if (parts.empty()) {
+      bad(entry, "no point after '@'");
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const std::string part = trim(parts[i]);
+      const auto eq = part.find('=');
+      if (eq == std::string::npos) {
+        bad(entry, "'" + part + "' is not NAME=VALUE");
+      }
+      const std::string name = part.substr(0, eq);
+      const std::string value = part.substr(eq + 1);
+      if (i == 0) {
+        if (name == "step") {
+          f.point = Point::Step;
+        } else if (name == "save") {
+          f.point = Point::Save;
+        } else {
+          bad(entry, "unknown point '" + name + "'");
+        }
+        f.at = number(entry, value, "the point's count");
+        if (f.at < 1) {
+          bad(entry, "points count from 1");
+        }
+      } else if (name == "rank") {
+        f.rank = static_cast<int>(number(entry, value, "rank"));
+      } else if (name == "restart") {
+        f.restart = value == "*" ? -1 : static_cast<int>(number(entry, value, "restart"));
+      } else {
+        bad(entry, "unknown filter '" + name + "' (rank or restart)");
+      }
+    }
+    if (f.kind == Kind::NoSpace && f.point != Point::Save) {
+      bad(entry, "nospace applies to save only");
+    }
+    out.push_back(f);
+  }
+  return out;
+}
+
+void arm(int rank, int restart) {
+  armed = Armed{};
+  armed.rank = rank;
+  const auto text = env::lookup("HDDP_FAULT");
+  if (!text || text->empty()) {
+    return;
+  }
+  for (const Fault& f : parse(*text)) {
+    if ((f.rank < 0 || f.rank == rank) && (f.restart < 0 || f.restart == restart)) {
+      armed.faults.push_back(f);
+    }
+  }
+  armed.done.assign(armed.faults.size(), false);
+  std::string list;
+  for (const Fault& f : armed.faults) {
+    list += (list.empty() ? "" : "; ") + f.text;
+  }
+  HDDP_LOG_WARN("fault", "fault injection is on (HDDP_FAULT=", *text, "): rank ", rank,
+                " in attempt ", restart, " will meet ",
+                armed.faults.empty() ? std::string("none of them") : list);
+}
+
+void disarm() { armed = Armed{}; }
+
+void at(Point point, int64_t count) {
+  for (size_t i = 0; i < armed.faults.size(); ++i) {
+    const Fault& f = armed.faults[i];
+    if (!armed.done[i] && f.point == point && f.at == count) {
+      armed.done[i] = true;
+      std::ostringstream where;
+      where << "at " << pointName(point) << " " << count << " on rank " << armed.rank;
+      act(f, where.str());
+    }
+  }
+}
+
+void beforeSave(const std::string& path) {
+  if (armed.faults.empty()) {
+    return;
+  }
+  ++armed.saves;
+  for (size_t i = 0; i < armed.faults.size(); ++i) {
+    const Fault& f = armed.faults[i];
+    if (!armed.done[i] && f.point == Point::Save && f.at == armed.saves) {
+      armed.done[i] = true;
+      act(f, "writing " + path + " on rank " + std::to_string(armed.rank));
+    }
+  }
+}
+
+}  // namespace fault
+}  // namespace hddp

@@ -1,0 +1,147 @@
+// Faults on purpose (hddp/core/fault.h, issue #49 part 4): HDDP_FAULT's grammar, its
+// errors, its filters, and the Trainer surviving what it injects: a full disk at a save
+// (the run fails on every rank, nothing half-written stays, the previous commit resumes)
+// and a truncated newest commit (the one before it resumes, with a warning).
+#include "hddp/core/fault.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "hddp/core/error.h"
+#include "hddp/train/state_file.h"
+#include "support/ranks.h"
+#include "support/scoped_env.h"
+#include "support/trainer_runs.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string configError(const std::string& text) {
+  try {
+    hddp::fault::parse(text);
+  } catch (const hddp::ConfigError& e) {
+    return e.what_without_backtrace();
+  }
+  return "(no ConfigError)";
+}
+
+TEST(Fault, ParsesEntriesWithTheirFilters) {
+  const auto faults =
+      hddp::fault::parse("kill@step=5,rank=1; nospace@save=2 ;slow=0.5@step=3,restart=*;");
+  ASSERT_EQ(faults.size(), 3u);
+  EXPECT_EQ(faults[0].kind, hddp::fault::Kind::Kill);
+  EXPECT_EQ(faults[0].point, hddp::fault::Point::Step);
+  EXPECT_EQ(faults[0].at, 5);
+  EXPECT_EQ(faults[0].rank, 1);
+  EXPECT_EQ(faults[0].restart, 0) << "the first attempt only, unless restart= says otherwise";
+  EXPECT_EQ(faults[1].kind, hddp::fault::Kind::NoSpace);
+  EXPECT_EQ(faults[1].point, hddp::fault::Point::Save);
+  EXPECT_EQ(faults[1].rank, -1);
+  EXPECT_EQ(faults[2].kind, hddp::fault::Kind::Slow);
+  EXPECT_DOUBLE_EQ(faults[2].seconds, 0.5);
+  EXPECT_EQ(faults[2].restart, -1);
+  EXPECT_TRUE(hddp::fault::parse("").empty());
+}
+
+TEST(Fault, ABadEntryIsAConfigErrorThatSaysWhatIsWrong) {
+  EXPECT_NE(configError("boom@step=1").find("entry 'boom@step=1': unknown kind 'boom'"),
+            std::string::npos);
+  EXPECT_NE(configError("kill step=1").find("no '@'"), std::string::npos);
+  EXPECT_NE(configError("kill@step").find("'step' is not NAME=VALUE"), std::string::npos);
+  EXPECT_NE(configError("kill@epoch=2").find("unknown point 'epoch'"), std::string::npos);
+  EXPECT_NE(configError("kill@step=0").find("points count from 1"), std::string::npos);
+  EXPECT_NE(configError("kill@step=x").find("'x' is not a non-negative integer"),
+            std::string::npos);
+  EXPECT_NE(configError("nospace@step=2").find("nospace applies to save only"), std::string::npos);
+  EXPECT_NE(configError("slow=abc@step=2").find("slow's seconds"), std::string::npos);
+  EXPECT_NE(configError("raise@step=2,node=1").find("unknown filter 'node'"), std::string::npos);
+  EXPECT_NE(configError("raise@step=2").find("(no ConfigError)"), std::string::npos);
+}
+
+// A fault acts on its rank, in its attempt, at its count, once.
+TEST(Fault, ActsOnItsRankAndAttemptAtItsCountOnce) {
+  hddp::testing::ScopedEnv fault("HDDP_FAULT", "raise@step=2,rank=0");
+  hddp::fault::arm(/*rank=*/1, /*restart=*/0);
+  EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "another rank";
+  hddp::fault::arm(0, 1);
+  EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "a restarted job";
+  hddp::fault::arm(0, 0);
+  EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 1));
+  try {
+    hddp::fault::at(hddp::fault::Point::Step, 2);
+    ADD_FAILURE() << "no fault at step 2";
+  } catch (const hddp::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("fault injected by HDDP_FAULT ('raise@step=2,rank=0') at step 2 on rank 0"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "a fault acts once";
+  hddp::fault::disarm();
+}
+
+hddp::TrainSummary run(int rank, int size, hddp::Store& store, const std::string& dir,
+                       int64_t maxSteps, bool resume = false) {
+  return hddp::testing::trainRun(rank, size, store, [&](hddp::TrainerOptions& o) {
+    o.saveDir = dir;
+    o.resume = resume ? dir : "";
+    o.saveEvery = 2;
+    o.keepLast = 10;
+    o.maxSteps = maxSteps;
+    o.loader.workers = 0;
+  });
+}
+
+// A full disk at the second save (step 4): the save fails on every rank (one writer in a
+// shared folder), no half-written file stays, and the next run resumes from step 2.
+TEST(Fault, AFullDiskAtASaveFailsEveryRankAndThePreviousCommitResumes) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::vector<std::string> errors(2);
+  {
+    hddp::testing::ScopedEnv fault("HDDP_FAULT", "nospace@save=2");
+    hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+      errors[static_cast<size_t>(rank)] =
+          hddp::testing::stateError([&] { run(rank, size, store, dir, 6); });
+    });
+  }
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("saving step 4 failed on rank 0: hddp: No space left on device"),
+              std::string::npos)
+        << e;
+  }
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    left.push_back(entry.path().filename().string());
+  }
+  EXPECT_EQ(left, std::vector<std::string>{"state-00000002.hddp"}) << "a half-written file stayed";
+  std::vector<hddp::TrainSummary> summaries(2);
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    summaries[static_cast<size_t>(rank)] = run(rank, size, store, dir, 6, /*resume=*/true);
+  });
+  EXPECT_EQ(summaries[0].steps, 4) << "resumed from step 2";
+  EXPECT_EQ(summaries[0].totalSteps, 6);
+}
+
+// The newest commit cut short (a disk that lost its tail): the one before it resumes.
+TEST(Fault, ATruncatedNewestCommitGivesWayToThePreviousOne) {
+  const std::string dir = hddp::testing::makeTempDir();
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    run(rank, size, store, dir, 6);
+  });
+  const std::string newest = hddp::stateFileName(dir, 6);
+  fs::resize_file(newest, fs::file_size(newest) / 2);
+  std::vector<hddp::TrainSummary> summaries(2);
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    summaries[static_cast<size_t>(rank)] = run(rank, size, store, dir, 8, /*resume=*/true);
+  });
+  EXPECT_EQ(summaries[0].steps, 4) << "resumed from step 4";
+  EXPECT_EQ(summaries[0].totalSteps, 8);
+}
+
+}  // namespace

@@ -27,6 +27,7 @@
 #include "hddp/core/autocast.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp/core/fault.h"
 #include "hddp/core/live_line.h"
 #include "hddp/core/logging.h"
 #include "hddp/core/step_timer.h"

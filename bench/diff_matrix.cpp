@@ -20,10 +20,12 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,7 +53,8 @@ TORCH_MODULE(Dense);
 
 // tools/diff-matrix/zoo.py's Zoo: the same modules, registered in the same order.
 struct ZooImpl : torch::nn::Module {
-  ZooImpl(const std::string& kind, const json& dims, hddp::Communicator* comm) : kind(kind) {
+  ZooImpl(const std::string& kind, const json& dims, bool checkpointed, hddp::Communicator* comm)
+      : kind(kind), checkpointed(checkpointed) {
     const int64_t in = dims.at("in"), hidden = dims.at("hidden"), out = dims.at("out");
     const bool normalized = kind == "bn" || kind == "syncbn";  // fc1 without bias (zoo.py)
     fc1 = register_module("fc1", Dense(in, hidden, at::Tensor(), !normalized));
@@ -77,15 +80,24 @@ struct ZooImpl : torch::nn::Module {
     }
     h = torch::tanh(h);
     if (enc) {
-      h = torch::tanh(dec(torch::tanh(enc(h))));
+      auto block = [this](const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{torch::tanh(dec(torch::tanh(enc(in[0]))))};
+      };
+      h = checkpointed ? hddp::checkpoint(block, {h}, {enc->weight, enc->bias, dec->bias})[0]
+                       : block({h})[0];
     }
-    at::Tensor y = fc2(h);
+    auto last = [this](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{fc2(in[0])};
+    };
+    at::Tensor y =
+        checkpointed && !enc ? hddp::checkpoint(last, {h}, fc2->parameters())[0] : last({h})[0];
     if (head && useHead) {
       y = y + head(x);
     }
     return y;
   }
   std::string kind;
+  bool checkpointed;
   Dense fc1{nullptr}, enc{nullptr}, dec{nullptr}, fc2{nullptr}, head{nullptr};
   torch::nn::BatchNorm1d bn{nullptr};
   hddp::SyncBatchNorm syncBn{nullptr};
@@ -96,46 +108,88 @@ using Tensors = std::map<std::string, at::Tensor>;
 
 // Every parameter and buffer takes the file's value, dtype included (num_batches_tracked
 // stays int64), before DDP is built: its hooks live in the tensors, not in their data.
-void loadInitial(torch::nn::Module& model, const Tensors& data) {
+// `otherValues`: values that are not the file's (a rank other than 0 whose model DDP's
+// broadcast at construction must replace). `frozen`: a parameter that gets no gradient.
+void loadInitial(torch::nn::Module& model, const Tensors& data, bool otherValues,
+                 const std::string& frozen) {
   torch::NoGradGuard noGrad;
   auto take = [&](const std::string& name, at::Tensor& t) {
     auto it = data.find("init/" + name);
     HDDP_CHECK(it != data.end(), "the case has no initial value for '", name, "'");
     t.set_data(it->second.clone());
+    if (otherValues) {
+      t.fill_(t.is_floating_point() ? 0.25 : 7);
+    }
   };
   for (auto& item : model.named_parameters()) {
     take(item.key(), item.value());
+    if (item.key() == frozen) {
+      item.value().set_requires_grad(false);
+    }
   }
   for (auto& item : model.named_buffers()) {
     take(item.key(), item.value());
   }
 }
 
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const json& o,
-                                                       const std::vector<at::Tensor>& params) {
+std::unique_ptr<torch::optim::OptimizerOptions> optionsOf(const json& o, double lr, double decay) {
   const std::string kind = o.at("kind");
-  const double lr = o.at("lr");
   if (kind == "sgd") {
-    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(lr)
-                                                           .momentum(o.at("momentum"))
-                                                           .dampening(o.at("dampening"))
-                                                           .nesterov(o.at("nesterov"))
-                                                           .weight_decay(o.at("weight_decay")));
+    return std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(lr)
+                                                          .momentum(o.at("momentum"))
+                                                          .dampening(o.at("dampening"))
+                                                          .nesterov(o.at("nesterov"))
+                                                          .weight_decay(decay));
   }
   const std::tuple<double, double> betas{o.at("betas").at(0), o.at("betas").at(1)};
   if (kind == "adam") {
-    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(lr)
-                                                            .betas(betas)
-                                                            .eps(o.at("eps"))
-                                                            .weight_decay(o.at("weight_decay"))
-                                                            .amsgrad(o.at("amsgrad")));
-  }
-  HDDP_CHECK(kind == "adamw", "unknown optimizer '", kind, "'");
-  return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(lr)
+    return std::make_unique<torch::optim::AdamOptions>(torch::optim::AdamOptions(lr)
                                                            .betas(betas)
                                                            .eps(o.at("eps"))
-                                                           .weight_decay(o.at("weight_decay"))
+                                                           .weight_decay(decay)
                                                            .amsgrad(o.at("amsgrad")));
+  }
+  HDDP_CHECK(kind == "adamw", "unknown optimizer '", kind, "'");
+  return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(lr)
+                                                          .betas(betas)
+                                                          .eps(o.at("eps"))
+                                                          .weight_decay(decay)
+                                                          .amsgrad(o.at("amsgrad")));
+}
+
+// reference.py's make_optimizer: one group, or a second one holding fc2's and head's
+// parameters with their own learning rate and weight decay. A tied tensor once.
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const json& o, torch::nn::Module& model) {
+  std::vector<at::Tensor> first, second;
+  std::set<const void*> seen;
+  const bool grouped = o.contains("second_group") && !o.at("second_group").is_null();
+  for (const auto& item : model.named_parameters()) {
+    if (!item.value().requires_grad() || !seen.insert(item.value().unsafeGetTensorImpl()).second) {
+      continue;  // frozen (ZeRO takes only what DDP synchronizes), or tied and seen
+    }
+    const std::string top = item.key().substr(0, item.key().find('.'));
+    (grouped && (top == "fc2" || top == "head") ? second : first).push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(first);
+  if (!second.empty()) {
+    const json& g = o.at("second_group");
+    groups.emplace_back(second,
+                        optionsOf(o, o.at("lr").get<double>() * g.at("lr_scale").get<double>(),
+                                  g.at("weight_decay")));
+  }
+  auto defaults = optionsOf(o, o.at("lr"), o.at("weight_decay"));
+  const std::string kind = o.at("kind");
+  if (kind == "sgd") {
+    return std::make_unique<torch::optim::SGD>(groups,
+                                               static_cast<torch::optim::SGDOptions&>(*defaults));
+  }
+  if (kind == "adam") {
+    return std::make_unique<torch::optim::Adam>(groups,
+                                                static_cast<torch::optim::AdamOptions&>(*defaults));
+  }
+  return std::make_unique<torch::optim::AdamW>(groups,
+                                               static_cast<torch::optim::AdamWOptions&>(*defaults));
 }
 
 // The optimizer state this rank holds, under the names torch.optim's state_dict uses.
@@ -177,6 +231,48 @@ at::Tensor lossOf(const std::string& kind, const at::Tensor& out, const at::Tens
   return kind == "ce" ? torch::cross_entropy_loss(out, y) : torch::mse_loss(out, y);
 }
 
+// One optimizer step's forward and backward passes on this rank: its share of each
+// micro-step, all but the last under noSync(); a rank without samples in the last
+// micro-step calls finalize() (and, without samples anywhere, contributes zeros), or with
+// "empty_forward" runs forward and backward on no samples (a NaN mean loss) instead.
+void backwardOfStep(const json& cfg, const Tensors& data, int s, int rank, Zoo& model,
+                    hddp::DistributedDataParallel& ddp, hddp::GradScaler* scaler) {
+  const json& step = cfg.at("splits").at(s);
+  const json& heads = cfg.at("heads");
+  const int micro = cfg.at("micro");
+  int64_t global = 0;
+  for (const auto& counts : step) {
+    for (const auto& c : counts) {
+      global += c.get<int64_t>();
+    }
+  }
+  for (int m = 0; m < micro; ++m) {
+    const json& counts = step.at(m);
+    int64_t begin = 0;
+    for (int r = 0; r < rank; ++r) {
+      begin += counts[r].get<int64_t>();
+    }
+    const int64_t local = counts[rank];
+    std::optional<hddp::DistributedDataParallel::NoSyncGuard> guard;
+    if (m + 1 < micro) {
+      guard.emplace(ddp);
+    }
+    ddp.setBatch(local, global);
+    if (local > 0 || cfg.at("empty_forward")) {
+      const std::string key = std::to_string(s) + "/" + std::to_string(m);
+      const at::Tensor x = data.at("x/" + key).narrow(0, begin, local);
+      const at::Tensor y = data.at("y/" + key).narrow(0, begin, local);
+      // An empty forward leaves the head alone: through it, the head would be used (a
+      // zero gradient, so weight decay and momentum act) where no sample used it.
+      const bool useHead = local > 0 && !heads.is_null() && heads[s][m][rank].get<bool>();
+      at::Tensor loss = lossOf(cfg.at("loss").get<std::string>(), model->forward(x, useHead), y);
+      (scaler ? scaler->scale(loss) : loss).backward();
+    } else if (m + 1 == micro) {
+      ddp.finalize();  // no samples in the synchronized micro-step
+    }
+  }
+}
+
 // One rank's whole run of the case; returns what it writes.
 std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const Tensors& data,
                                                         int rank, int size, hddp::Store& store) {
@@ -185,8 +281,9 @@ std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const T
   commOptions.glooHostname = "127.0.0.1";
   commOptions.glooThreads = 1;
   auto comm = hddp::makeCommunicator(store, rank, size, commOptions);
-  Zoo model(cfg.at("model").get<std::string>(), cfg.at("dims"), comm.get());
-  loadInitial(*model, data);
+  Zoo model(cfg.at("model").get<std::string>(), cfg.at("dims"), cfg.at("checkpoint"), comm.get());
+  loadInitial(*model, data, cfg.at("broadcast") && rank != 0,
+              cfg.at("frozen").is_null() ? "" : cfg.at("frozen").get<std::string>());
   model->train();
 
   const json& d = cfg.at("ddp");
@@ -196,56 +293,55 @@ std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const T
   ddpOptions.bucketCapBytes = d.at("bucket_cap_bytes");
   ddpOptions.gradientAsBucketView = d.at("gradient_as_bucket_view");
   ddpOptions.findUnusedParameters = d.at("find_unused_parameters");
+  ddpOptions.rebuildBuckets = d.at("rebuild_buckets");
+  const bool syncBeforeForward = d.at("buffer_sync") == "before_forward";
+  if (syncBeforeForward) {
+    ddpOptions.bufferSync = hddp::BufferSync::BeforeForward;
+  }
   ddpOptions.allocateBucketsLazily = zeroStage > 0;  // as the Trainer does under ZeRO
   hddp::DistributedDataParallel ddp(model, *comm, ddpOptions);
   const std::vector<at::Tensor> params = hddp::uniqueParameters(*model);
-  auto opt = makeOptimizer(cfg.at("optimizer"), params);
+  auto opt = makeOptimizer(cfg.at("optimizer"), *model);
   std::unique_ptr<hddp::ShardedOptimizer> sharded;
   if (zeroStage > 0) {
     hddp::ShardedOptimizerOptions zero;
     zero.stage = zeroStage;
     zero.weights = cfg.at("zero").at("weights").get<std::vector<double>>();
+    zero.gatherChunkBytes = cfg.at("zero").at("gather_chunk_bytes");
     sharded = std::make_unique<hddp::ShardedOptimizer>(ddp, *opt, zero);
   }
 
-  const std::string loss = cfg.at("loss");
-  const json& splits = cfg.at("splits");
-  const json& heads = cfg.at("heads");
-  const bool toNone = cfg.at("zero_grad_to_none");
-  const int micro = cfg.at("micro");
-  for (size_t s = 0; s < splits.size(); ++s) {
+  std::unique_ptr<hddp::GradScaler> scaler;
+  const json& scaling = cfg.at("scaler");
+  if (!scaling.is_null()) {
+    hddp::GradScalerOptions so;
+    so.initScale = scaling.at("init_scale");
+    so.growthInterval = scaling.at("growth_interval");
+    scaler = std::make_unique<hddp::GradScaler>(so, comm.get());
+  }
+  // The overflow: on the rank that holds the first parameter's summed gradient (ZeRO:
+  // its owner; the other ranks' gradients of it are zeros or released).
+  const int overflowRank = scaling.is_null() ? -1
+                                             : (sharded ? sharded->layout().owner[0]
+                                                        : scaling.at("overflow_rank").get<int>());
+  const double lrDecay = cfg.at("lr_decay").is_null() ? 1.0 : cfg.at("lr_decay").get<double>();
+  torch::optim::Optimizer& stepped = sharded ? sharded->optimizer() : *opt;
+  for (size_t s = 0; s < cfg.at("splits").size(); ++s) {
+    if (syncBeforeForward) {
+      ddp.syncBuffers();  // before the step's setBatch: weighted by the last step's shares
+    }
     if (sharded) {
       sharded->zeroGrad();
     } else {
-      opt->zero_grad(toNone);
+      opt->zero_grad(cfg.at("zero_grad_to_none"));
     }
-    int64_t global = 0;
-    for (const auto& counts : splits[s]) {
-      for (const auto& c : counts) {
-        global += c.get<int64_t>();
-      }
+    backwardOfStep(cfg, data, static_cast<int>(s), rank, model, ddp, scaler.get());
+    if (scaler && scaling.at("overflow_step") == s && rank == overflowRank) {
+      torch::NoGradGuard noGrad;
+      ddp.parameters()[0].grad().view(-1)[0] = std::numeric_limits<double>::infinity();
     }
-    for (int m = 0; m < micro; ++m) {
-      const json& counts = splits[s][m];
-      int64_t begin = 0;
-      for (int r = 0; r < rank; ++r) {
-        begin += counts[r].get<int64_t>();
-      }
-      const int64_t local = counts[rank];
-      std::optional<hddp::DistributedDataParallel::NoSyncGuard> guard;
-      if (m + 1 < micro) {
-        guard.emplace(ddp);
-      }
-      ddp.setBatch(local, global);
-      if (local > 0) {
-        const std::string key = std::to_string(s) + "/" + std::to_string(m);
-        const at::Tensor x = data.at("x/" + key).narrow(0, begin, local);
-        const at::Tensor y = data.at("y/" + key).narrow(0, begin, local);
-        const bool useHead = !heads.is_null() && heads[s][m][rank].get<bool>();
-        lossOf(loss, model->forward(x, useHead), y).backward();
-      } else if (m + 1 == micro) {
-        ddp.finalize();  // no samples in the synchronized micro-step
-      }
+    if (scaler) {
+      scaler->unscale(stepped);
     }
     if (!cfg.at("clip").is_null()) {
       const double maxNorm = cfg.at("clip");
@@ -255,11 +351,22 @@ std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const T
         torch::nn::utils::clip_grad_norm_(params, maxNorm);
       }
     }
-    if (sharded) {
+    if (scaler) {
+      if (scaler->step(stepped) && sharded) {
+        sharded->gatherParameters();
+      }
+      scaler->update();
+    } else if (sharded) {
       sharded->step();
     } else {
       opt->step();
     }
+    for (auto& group : opt->param_groups()) {
+      group.options().set_lr(group.options().get_lr() * lrDecay);
+    }
+  }
+  if (syncBeforeForward) {
+    ddp.syncBuffers();  // what the next step would begin with
   }
 
   std::vector<std::pair<std::string, at::Tensor>> out;
@@ -270,6 +377,11 @@ std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const T
     out.emplace_back("buffer/" + item.key(), item.value().detach().clone());
   }
   addOptimizerState(*opt, ddp, out);
+  if (scaler) {
+    out.emplace_back("scaler/scale", torch::tensor(scaler->currentScale(), torch::kDouble));
+    out.emplace_back("scaler/growth_tracker",
+                     torch::tensor(static_cast<double>(scaler->growthTracker()), torch::kDouble));
+  }
   return out;
 }
 

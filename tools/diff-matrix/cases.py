@@ -107,18 +107,48 @@ def draw(seed, **fixed):
             "find_unused_parameters": model == "unused" or rng.random() < 0.2,
         },
     }
+    # Axes added later, drawn last so that a seed keeps its earlier axes.
+    if rng.random() < 0.3:  # a second parameter group: fc2 and head, other lr and decay
+        cfg["optimizer"]["second_group"] = {"lr_scale": rng.choice([0.5, 2.0]),
+                                            "weight_decay": rng.choice([0.0, 0.02])}
+    cfg["lr_decay"] = rng.choice([None, None, 0.5, 0.9])  # lr x this after every step
+    cfg["checkpoint"] = rng.random() < 0.3  # activation checkpointing of a block (C++)
+    cfg["ddp"]["buffer_sync"] = rng.choice(["with_gradients", "with_gradients", "before_forward"])
+    cfg["ddp"]["rebuild_buckets"] = rng.random() < 0.7
+    cfg["zero"]["gather_chunk_bytes"] = rng.choice([25 << 20, 256, 64])
+    cfg["scaler"] = None
+    if rng.random() < 0.3:  # hddp::GradScaler vs torch.amp.GradScaler, in float64
+        cfg["scaler"] = {"init_scale": 2.0 ** rng.choice([0, 4, 10]),
+                         "growth_interval": rng.choice([1, 2, 3]),
+                         "overflow_step": rng.choice([None, rng.randrange(steps)]),
+                         "overflow_rank": rng.randrange(world)}
+    # Ranks other than 0 start from other values: DDP's broadcast at construction must
+    # replace them (parameters, buffers, a frozen parameter).
+    cfg["broadcast"] = world > 1 and rng.random() < 0.3
+    cfg["frozen"] = "fc2.bias" if rng.random() < 0.2 else None  # requires_grad false
+    # A rank without samples runs forward and backward on an empty batch (NaN mean loss)
+    # instead of calling finalize(); not through BatchNorm.
+    cfg["empty_forward"] = model not in ("bn", "syncbn") and rng.random() < 0.3
     for key, value in fixed.items():
         if key in ("world", "model", "micro", "steps"):
             continue
         assert key in cfg, f"unknown configuration key {key!r}"
         if key == "optimizer" and value.get("kind", cfg[key]["kind"]) != cfg[key]["kind"]:
-            cfg[key] = _optimizer(random.Random(seed), value["kind"])
+            cfg[key] = dict(_optimizer(random.Random(seed), value["kind"]),
+                            second_group=cfg[key].get("second_group"))
         cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
     if cfg["zero"]["stage"]:
         cfg["zero_grad_to_none"] = True  # ShardedOptimizer::zeroGrad sets them to none
     else:
         cfg["zero"]["weights"] = []
     return cfg
+
+
+def _scaler(sc):
+    if sc is None:
+        return ""
+    inf = "" if sc["overflow_step"] is None else f",inf@{sc['overflow_step']}/r{sc['overflow_rank']}"
+    return f" scaler({sc['init_scale']:g},g{sc['growth_interval']}{inf})"
 
 
 def summary(cfg):
@@ -129,6 +159,9 @@ def summary(cfg):
               f"{',damp' if o['dampening'] else ''},wd={o['weight_decay']:g})"
     else:
         opt = f"{o['kind']}(wd={o['weight_decay']:g}{',ams' if o['amsgrad'] else ''})"
+    if o.get("second_group"):
+        g = o["second_group"]
+        opt += f"+group(lr*{g['lr_scale']:g},wd={g['weight_decay']:g})"
     z = cfg["zero"]
     zero = f"zero{z['stage']}" + (":" + "/".join(f"{w:g}" for w in z["weights"]) if z["stage"] else "")
     split = "|".join(",".join(":".join(str(c) for c in m) for m in s) for s in cfg["splits"])
@@ -138,6 +171,14 @@ def summary(cfg):
     d = cfg["ddp"]
     return (f"seed={cfg['seed']} w={cfg['world']} {cfg['model']} {cfg['loss']} {opt} {zero}"
             f" clip={cfg['clip']} micro={cfg['micro']} steps={cfg['steps']}"
+            f"{' decay=%g' % cfg['lr_decay'] if cfg['lr_decay'] else ''}"
+            f"{' ckpt' if cfg['checkpoint'] else ''}"
+            f"{_scaler(cfg['scaler'])}"
+            f"{' bcast' if cfg['broadcast'] else ''}"
+            f"{' frozen=' + cfg['frozen'] if cfg['frozen'] else ''}"
+            f"{' emptyfwd' if cfg['empty_forward'] else ''}"
+            f"{' bufsync=fwd' if d['buffer_sync'] == 'before_forward' else ''}"
+            f"{'' if d['rebuild_buckets'] else ' norebuild'}"
             f"{' none' if cfg['zero_grad_to_none'] else ' zeros'}"
             f"{' view' if d['gradient_as_bucket_view'] else ' copy'}"
             f"{' fup' if d['find_unused_parameters'] else ''} split={split}")

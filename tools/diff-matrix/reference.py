@@ -13,12 +13,21 @@ import torch.nn.functional as F
 import zoo
 
 
-def make_optimizer(o, params):
+def make_optimizer(o, model):
+    """torch.optim's optimizer of `o`; with a second group, fc2's and head's parameters
+    in it with their own learning rate and weight decay."""
+    params, second = [], []
+    for name, p in model.named_parameters():
+        (second if o.get("second_group") and name.split(".")[0] in ("fc2", "head") else params).append(p)
+    groups = [{"params": params}]
+    if second:
+        g = o["second_group"]
+        groups.append({"params": second, "lr": o["lr"] * g["lr_scale"], "weight_decay": g["weight_decay"]})
     if o["kind"] == "sgd":
-        return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], dampening=o["dampening"],
+        return torch.optim.SGD(groups, lr=o["lr"], momentum=o["momentum"], dampening=o["dampening"],
                                nesterov=o["nesterov"], weight_decay=o["weight_decay"])
     cls = torch.optim.Adam if o["kind"] == "adam" else torch.optim.AdamW
-    return cls(params, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
+    return cls(groups, lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"],
                weight_decay=o["weight_decay"], amsgrad=o["amsgrad"])
 
 
@@ -35,8 +44,16 @@ def train(cfg, tensors, lr_scale=1.0):
     model = zoo.make(cfg, cfg["seed"])
     model.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("init/")})
     model.train()
+    if cfg.get("frozen"):
+        model.get_parameter(cfg["frozen"]).requires_grad_(False)
     o = dict(cfg["optimizer"], lr=cfg["optimizer"]["lr"] * lr_scale)
-    opt = make_optimizer(o, model.parameters())
+    opt = make_optimizer(o, model)
+    sc = cfg.get("scaler")
+    scaler = None
+    if sc is not None:
+        scaler = torch.amp.GradScaler("cpu", init_scale=sc["init_scale"],
+                                      growth_interval=sc["growth_interval"])
+    first = next(iter(model.parameters()))  # DDP's first parameter: fc1.weight
     for s, step in enumerate(cfg["splits"]):
         opt.zero_grad(set_to_none=cfg["zero_grad_to_none"])
         total = sum(sum(counts) for counts in step)
@@ -47,10 +64,23 @@ def train(cfg, tensors, lr_scale=1.0):
                 flags = cfg["heads"][s][m]
                 mask = torch.tensor([flags[r] for r, c in enumerate(counts) for _ in range(c)],
                                     dtype=torch.bool)
-            (loss_sum(cfg, model(x, mask), y) / total).backward()
+            loss = loss_sum(cfg, model(x, mask), y) / total
+            (scaler.scale(loss) if scaler else loss).backward()
+        if scaler is not None:
+            if sc["overflow_step"] == s:
+                with torch.no_grad():
+                    first.grad.view(-1)[0] = float("inf")
+            scaler.unscale_(opt)
         if cfg["clip"] is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if cfg.get("lr_decay"):
+            for group in opt.param_groups:
+                group["lr"] *= cfg["lr_decay"]
     result = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         result[f"param/{name}"] = p.detach().clone()
@@ -60,6 +90,10 @@ def train(cfg, tensors, lr_scale=1.0):
         for key, value in opt.state.get(p, {}).items():
             if value is not None:
                 result[f"state/{name}/{key}"] = torch.as_tensor(value).detach().clone()
+    if scaler is not None:
+        result["scaler/scale"] = torch.tensor(scaler.get_scale(), dtype=torch.float64)
+        result["scaler/growth_tracker"] = torch.tensor(float(scaler._get_growth_tracker()),
+                                                       dtype=torch.float64)
     return result
 
 

@@ -10,6 +10,10 @@ arithmetic): what the C++ driver trains on N ranks and the reference trains here
 - tied:   fc1, tanh, enc (hidden->hidden), tanh, dec (whose weight IS enc.weight), tanh, fc2
 - unused: fc1, tanh, fc2, plus head (Linear in->out) added to the output of the samples
           whose rank uses it in that micro-step (possibly none: then it has no gradient)
+
+With "checkpoint" in a configuration the C++ side recomputes a block in backward
+(hddp::checkpoint: enc/dec of "tied", fc2 otherwise); the reference does not, as the
+result is the same arithmetic.
 """
 import torch
 from torch import nn

@@ -26,7 +26,7 @@ struct Armed {
 thread_local Armed armed;
 
 constexpr const char* kGrammar =
-    "KIND@POINT=N[,rank=R][,restart=K|*] entries separated by ';', KIND one of kill, raise, "
+    "KIND@POINT=N[,rank=R][,slot=S][,restart=K|*] entries separated by ';', KIND one of kill, raise, "
     "hang, slow=SECONDS, nospace; POINT one of step, save";
 
 [[noreturn]] void bad(const std::string& entry, const std::string& what) {
@@ -151,10 +151,12 @@ std::vector<Fault> parse(const std::string& text) {
         }
       } else if (name == "rank") {
         f.rank = static_cast<int>(number(entry, value, "rank"));
+      } else if (name == "slot") {
+        f.slot = static_cast<int>(number(entry, value, "slot"));
       } else if (name == "restart") {
         f.restart = value == "*" ? -1 : static_cast<int>(number(entry, value, "restart"));
       } else {
-        bad(entry, "unknown filter '" + name + "' (rank or restart)");
+        bad(entry, "unknown filter '" + name + "' (rank, slot or restart)");
       }
     }
     if (f.kind == Kind::NoSpace && f.point != Point::Save) {
@@ -165,7 +167,7 @@ std::vector<Fault> parse(const std::string& text) {
   return out;
 }
 
-void arm(int rank, int restart) {
+void arm(int rank, int restart, int slot) {
   armed = Armed{};
   armed.rank = rank;
   const auto text = env::lookup("HDDP_FAULT");
@@ -173,7 +175,8 @@ void arm(int rank, int restart) {
     return;
   }
   for (const Fault& f : parse(*text)) {
-    if ((f.rank < 0 || f.rank == rank) && (f.restart < 0 || f.restart == restart)) {
+    if ((f.rank < 0 || f.rank == rank) && (f.slot < 0 || f.slot == slot) &&
+        (f.restart < 0 || f.restart == restart)) {
       armed.faults.push_back(f);
     }
   }
@@ -183,7 +186,8 @@ void arm(int rank, int restart) {
     list += (list.empty() ? "" : "; ") + f.text;
   }
   HDDP_LOG_WARN("fault", "fault injection is on (HDDP_FAULT=", *text, "): rank ", rank,
-                " in attempt ", restart, " will meet ",
+                slot >= 0 ? " (slot " + std::to_string(slot) + ")" : std::string(), " in attempt ",
+                restart, " will meet ",
                 armed.faults.empty() ? std::string("none of them") : list);
 }
 

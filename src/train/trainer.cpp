@@ -354,7 +354,7 @@ TrainSummary Trainer::Impl::fit() {
   // Faults on purpose (HDDP_FAULT): a rank whose variable does not parse fails with the
   // others, not before their first collective.
   agreeOutcome<ConfigError>(comm_, "reading HDDP_FAULT", [&] {
-    fault::arm(comm_.rank(), elastic_.restarts());
+    fault::arm(comm_.rank(), elastic_.restarts(), elastic_.slot());
   });
   int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
   int64_t agreedStart = 0;

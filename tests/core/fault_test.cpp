@@ -39,6 +39,7 @@ TEST(Fault, ParsesEntriesWithTheirFilters) {
   EXPECT_EQ(faults[0].point, hddp::fault::Point::Step);
   EXPECT_EQ(faults[0].at, 5);
   EXPECT_EQ(faults[0].rank, 1);
+  EXPECT_EQ(faults[0].slot, -1);
   EXPECT_EQ(faults[0].restart, 0) << "the first attempt only, unless restart= says otherwise";
   EXPECT_EQ(faults[1].kind, hddp::fault::Kind::NoSpace);
   EXPECT_EQ(faults[1].point, hddp::fault::Point::Save);
@@ -60,7 +61,8 @@ TEST(Fault, ABadEntryIsAConfigErrorThatSaysWhatIsWrong) {
             std::string::npos);
   EXPECT_NE(configError("nospace@step=2").find("nospace applies to save only"), std::string::npos);
   EXPECT_NE(configError("slow=abc@step=2").find("slow's seconds"), std::string::npos);
-  EXPECT_NE(configError("raise@step=2,node=1").find("unknown filter 'node'"), std::string::npos);
+  EXPECT_NE(configError("raise@step=2,node=1").find("unknown filter 'node' (rank, slot or restart)"),
+            std::string::npos);
   EXPECT_NE(configError("raise@step=2").find("(no ConfigError)"), std::string::npos);
 }
 
@@ -71,6 +73,13 @@ TEST(Fault, ActsOnItsRankAndAttemptAtItsCountOnce) {
   EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "another rank";
   hddp::fault::arm(0, 1);
   EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "a restarted job";
+  {
+    hddp::testing::ScopedEnv slotted("HDDP_FAULT", "raise@step=2,slot=3");
+    hddp::fault::arm(0, 0, /*slot=*/2);
+    EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "another slot";
+    hddp::fault::arm(1, 0, /*slot=*/3);
+    EXPECT_THROW(hddp::fault::at(hddp::fault::Point::Step, 2), hddp::Error) << "its slot";
+  }
   hddp::fault::arm(0, 0);
   EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 1));
   try {

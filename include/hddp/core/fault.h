@@ -12,6 +12,8 @@
 //           Trainer counts its steps), save=N (the N-th state file this rank writes
 //           since fit() began)
 //   rank=R  only on rank R (default: every rank)
+//   slot=S  only on the elastic job's slot S (hddp-run --nproc-per-node MIN:MAX; a
+//           slot keeps its number when the ranks are numbered again)
 //   restart=K  only in the job's K-th restart (torchrun's or Slurm's restart count);
 //           default 0, the first attempt, so that a resumed job does not meet the same
 //           fault again; * for every attempt
@@ -36,6 +38,7 @@ struct Fault {
   Point point = Point::Step;
   int64_t at = 0;
   int rank = -1;     // -1: every rank
+  int slot = -1;     // -1: every slot
   int restart = 0;   // -1: every attempt
   std::string text;  // the entry as given, for messages
 };
@@ -44,9 +47,10 @@ struct Fault {
 /// wrong.
 std::vector<Fault> parse(const std::string& text);
 
-/// Reads HDDP_FAULT and keeps, for this thread, the faults meant for `rank` in the job's
-/// `restart`-th attempt; resets this thread's save count. Logs the armed faults.
-void arm(int rank, int restart);
+/// Reads HDDP_FAULT and keeps, for this thread, the faults meant for `rank` (and the
+/// elastic `slot`, -1 for none) in the job's `restart`-th attempt (under hddp-run's
+/// elastic mode: its generation); resets this thread's save count. Logs the armed faults.
+void arm(int rank, int restart, int slot = -1);
 /// Forgets this thread's faults.
 void disarm();
 

@@ -297,7 +297,10 @@ std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const T
   const bool syncBeforeForward = d.at("buffer_sync") == "before_forward";
   if (syncBeforeForward) {
     ddpOptions.bufferSync = hddp::BufferSync::BeforeForward;
+  } else if (d.at("buffer_sync") == "none") {
+    ddpOptions.bufferSync = hddp::BufferSync::None;
   }
+  ddpOptions.bufferSyncInterval = d.at("buffer_sync_interval");
   ddpOptions.allocateBucketsLazily = zeroStage > 0;  // as the Trainer does under ZeRO
   hddp::DistributedDataParallel ddp(model, *comm, ddpOptions);
   const std::vector<at::Tensor> params = hddp::uniqueParameters(*model);

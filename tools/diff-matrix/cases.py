@@ -129,6 +129,13 @@ def draw(seed, **fixed):
     # A rank without samples runs forward and backward on an empty batch (NaN mean loss)
     # instead of calling finalize(); not through BatchNorm.
     cfg["empty_forward"] = model not in ("bn", "syncbn") and rng.random() < 0.3
+    # Buffers other than plain BatchNorm's are equal on every rank anyway (SyncBatchNorm's)
+    # or absent: no sync and sparse syncs must leave them so.
+    if model != "bn" and rng.random() < 0.3:
+        cfg["ddp"]["buffer_sync"] = rng.choice(["none", "with_gradients"])
+        cfg["ddp"]["buffer_sync_interval"] = rng.randint(1, 3)
+    else:
+        cfg["ddp"]["buffer_sync_interval"] = 1
     for key, value in fixed.items():
         if key in ("world", "model", "micro", "steps"):
             continue
@@ -178,10 +185,52 @@ def summary(cfg):
             f"{' frozen=' + cfg['frozen'] if cfg['frozen'] else ''}"
             f"{' emptyfwd' if cfg['empty_forward'] else ''}"
             f"{' bufsync=fwd' if d['buffer_sync'] == 'before_forward' else ''}"
+            f"{' bufsync=none' if d['buffer_sync'] == 'none' else ''}"
+            f"{' bufsync/%d' % d['buffer_sync_interval'] if d['buffer_sync_interval'] > 1 else ''}"
             f"{'' if d['rebuild_buckets'] else ' norebuild'}"
             f"{' none' if cfg['zero_grad_to_none'] else ' zeros'}"
             f"{' view' if d['gradient_as_bucket_view'] else ' copy'}"
             f"{' fup' if d['find_unused_parameters'] else ''} split={split}")
+
+
+def axes(cfg):
+    """The features a configuration exercises, as tags (matrix.py counts them)."""
+    o, d, z, sc = cfg["optimizer"], cfg["ddp"], cfg["zero"], cfg["scaler"]
+    world, splits = cfg["world"], cfg["splits"]
+    tags = [f"world {world}", cfg["model"], o["kind"], f"zero {z['stage']}"]
+    zero_share = any(c == 0 for step in splits for counts in step for c in counts)
+    idle_step = any(all(counts[r] == 0 for counts in step) for step in splits for r in range(world))
+    late_zero = any(step[-1][r] == 0 and any(counts[r] for counts in step[:-1])
+                    for step in splits for r in range(world))
+    flags = {
+        "a zero share": zero_share and world > 1,
+        "a rank idle for a whole step": idle_step and world > 1,
+        "finalize() after accumulated micro-steps": late_zero and world > 1,
+        "accumulation (noSync)": cfg["micro"] > 1,
+        "clipping": cfg["clip"] is not None,
+        "momentum": o.get("momentum", 0) > 0,
+        "nesterov": o.get("nesterov", False),
+        "dampening": o.get("dampening", 0) > 0,
+        "amsgrad": o.get("amsgrad", False),
+        "weight decay": o["weight_decay"] > 0,
+        "two parameter groups": bool(o.get("second_group")),
+        "lr decay": bool(cfg["lr_decay"]),
+        "GradScaler": sc is not None,
+        "GradScaler overflow": sc is not None and sc["overflow_step"] is not None,
+        "activation checkpointing": cfg["checkpoint"],
+        "broadcast at construction": cfg["broadcast"],
+        "a frozen parameter": bool(cfg["frozen"]),
+        "empty forward on a zero share": cfg["empty_forward"] and zero_share and world > 1,
+        "zero_grad to zeros": not cfg["zero_grad_to_none"],
+        "gradient copies (no bucket views)": not d["gradient_as_bucket_view"],
+        "findUnusedParameters": d["find_unused_parameters"],
+        "no bucket rebuild": not d["rebuild_buckets"],
+        "several buckets": d["bucket_cap_bytes"] < 1024 or d["first_bucket_bytes"] < 1024,
+        "buffer sync before forward": d["buffer_sync"] == "before_forward",
+        "buffer sync none or sparse": d["buffer_sync"] == "none" or d["buffer_sync_interval"] > 1,
+        "ZeRO rank without a shard": z["stage"] > 0 and 0.0 in z["weights"] and world > 1,
+    }
+    return tags + [k for k, v in flags.items() if v]
 
 
 def write(cfg, folder):

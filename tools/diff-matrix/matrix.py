@@ -152,7 +152,24 @@ def main():
             print(f"      {p}")
         if len(problems) > 6:
             print(f"      ... {len(problems) - 6} more")
+    canary_caught = True
+    if args.ci and args.plant_lr == 1.0:
+        # The comparison can fail: the first case against a reference whose learning
+        # rate is 1e-6 off must disagree.
+        e, cfg, folder = jobs[0]
+        ranks, error = read_ranks(folder, cfg["world"])
+        planted = reference.train(cfg, load_file(os.path.join(folder, "data.safetensors")), 1 + 1e-6)
+        canary_caught = error is None and bool(reference.compare(planted, ranks, cfg["zero"]["stage"],
+                                                                 RTOL, FLOOR)[2])
+        print(f"self-check: a reference learning rate 1e-6 off is "
+              f"{'caught' if canary_caught else 'NOT caught: the comparison cannot fail'}"
+              f" (seed {e['seed']})")
     seconds = time.time() - started
+    coverage = {}
+    for _, cfg, _ in jobs:
+        for tag in cases.axes(cfg):
+            coverage[tag] = coverage.get(tag, 0) + 1
+    print("coverage (cases per feature): " + ", ".join(f"{k} {v}" for k, v in sorted(coverage.items())))
     print(f"total {len(jobs)}: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v)
           + f"; worst abs {worst_abs:.2e}, rel {worst_rel:.2e} (tolerance rel {RTOL:g} of max(|ref|, {FLOOR:g}));"
           f" {seconds:.1f} s")
@@ -162,7 +179,7 @@ def main():
                 print("driver output:\n" + out[-4000:])
     if not args.keep and not args.out:
         shutil.rmtree(root, ignore_errors=True)
-    sys.exit(1 if counts["FAIL"] else 0)
+    sys.exit(1 if counts["FAIL"] or not canary_caught else 0)
 
 
 if __name__ == "__main__":

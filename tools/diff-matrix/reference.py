@@ -100,7 +100,8 @@ def train(cfg, tensors, lr_scale=1.0):
 def compare(expected, ranks, zero_stage, rtol, floor):
     """Compares each rank's tensors with the reference. Parameters and buffers: every
     rank holds all of them. Optimizer state: every rank all of it (ZeRO 0), or each
-    parameter's state on exactly one rank, its owner (ZeRO 1/2). Returns (worst absolute
+    parameter's state on exactly one rank, its owner (ZeRO 1/2); what several ranks hold
+    equal to rank 0's to the bit. Returns (worst absolute
     difference, worst relative difference, list of problems). Relative, per tensor: its
     max |difference| over max(its max |reference| value, floor); it passes when that is
     <= rtol."""
@@ -133,6 +134,12 @@ def compare(expected, ranks, zero_stage, rtol, floor):
                 check(key, got[key], want, f"rank {r}")
         extra = [k for k in got if not k.startswith("state/") and k not in expected]
         problems += [f"rank {r}: {k} not in the reference" for k in extra]
+        # The ranks agree to the bit: the same sums (one allreduce, or one owner's
+        # broadcast) and the same arithmetic on each.
+        for key, value in got.items():
+            if r > 0 and (zero_stage == 0 or not key.startswith("state/")) and key in ranks[0] and \
+                    not torch.equal(value, ranks[0][key]):
+                problems.append(f"rank {r}: {key} differs from rank 0's")
     want_state = {k: v for k, v in expected.items() if k.startswith("state/")}
     if zero_stage == 0:
         for r, got in enumerate(ranks):

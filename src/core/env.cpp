@@ -46,6 +46,12 @@ std::vector<Variable> makeRegistry() {
        "Faults on purpose (tests, chaos runs): e.g. kill@step=5,rank=1;nospace@save=2 "
        "(hddp/core/fault.h, docs/reliability.md); off when empty, logged when on.",
        {}},
+      {"HDDP_FAULT_ONCE_DIR",
+       Type::String,
+       "",
+       "With HDDP_FAULT: a folder where each fault marks that it acted, so that it acts once "
+       "per job, in whichever process meets it first (restart=* then suits elastic jobs).",
+       {}},
       {"HDDP_EMULATE_SLOWDOWN",
        Type::String,
        "",

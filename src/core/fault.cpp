@@ -1,10 +1,17 @@
 // Faults on purpose (hddp/core/fault.h).
 #include "hddp/core/fault.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -41,7 +48,7 @@ int64_t number(const std::string& entry, const std::string& text, const char* wh
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != text.size() || v < 0) {
+  if (used == 0 || used != text.size() || v < 0 || v > std::numeric_limits<int>::max()) {
     bad(entry, std::string(what) + " '" + text + "' is not a non-negative integer");
   }
   return v;
@@ -65,7 +72,33 @@ std::string trim(const std::string& s) {
 
 const char* pointName(Point p) { return p == Point::Step ? "step" : "save"; }
 
+// With HDDP_FAULT_ONCE_DIR a fault acts once per job, whichever process meets it first:
+// a marker file named by the entry, created exclusively, says it has acted. (Without it,
+// once per process.)
+bool firstInJob(const Fault& f) {
+  const auto dir = env::lookup("HDDP_FAULT_ONCE_DIR");
+  if (!dir || dir->empty()) {
+    return true;
+  }
+  std::string name = "fault-";
+  for (const char c : f.text) {
+    name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  }
+  const std::string path = *dir + "/" + name;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    HDDP_CHECK_AS(ConfigError, errno == EEXIST, "HDDP_FAULT_ONCE_DIR: cannot create ", path, ": ",
+                  std::strerror(errno));
+    return false;
+  }
+  ::close(fd);
+  return true;
+}
+
 void act(const Fault& f, const std::string& where) {
+  if (!firstInJob(f)) {
+    return;
+  }
   HDDP_LOG_WARN("fault", "injecting '", f.text, "' (HDDP_FAULT) ", where);
   switch (f.kind) {
     case Kind::Kill:

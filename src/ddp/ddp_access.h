@@ -34,6 +34,10 @@ struct DdpAccess {
   /// collective; reading it waits for the device. An abandoned step then does not count
   /// in DDP's step count (which paces DdpOptions::bufferSyncInterval).
   static bool lastStepAbandoned(DistributedDataParallel& ddp);
+  /// The caller put the buffers back as they were before the last synchronized step's
+  /// forward (a step the GradScaler skipped, on every rank): their weight in the next
+  /// synchronisation goes back too. The step still counts (as PyTorch's iteration does).
+  static void putBackStepBuffers(DistributedDataParallel& ddp);
   /// Each bucket's allreduce in the last synchronized step, in launch order.
   static const std::vector<BucketTiming>& bucketTimes(const DistributedDataParallel& ddp);
   /// The parameters in bucket order (bucketLayout() flattened): what a state file keeps

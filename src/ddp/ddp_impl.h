@@ -129,6 +129,7 @@ class DistributedDataParallel::Impl {
   bool abandonStep();
   bool lastStepAbandoned();
   bool discountIfAbandoned(bool abandoned);
+  void putBackStepBuffers();
   /// The last element of the last bucket (launched last): 0 from every rank that
   /// finished the step, 1 from a rank that abandoned it; summed by the allreduce.
   at::Tensor statusSlot();

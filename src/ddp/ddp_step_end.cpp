@@ -311,6 +311,11 @@ bool DistributedDataParallel::Impl::discountIfAbandoned(bool abandoned) {
   return abandoned;
 }
 
+void DistributedDataParallel::Impl::putBackStepBuffers() {
+  bufferWeight_ = weightBeforeStep_;
+  weightAfterStep_ = weightBeforeStep_;
+}
+
 // The last element of the last bucket (launched last): 0 from every rank that
 // finished the step, 1 from a rank that abandoned it; summed by the allreduce.
 at::Tensor DistributedDataParallel::Impl::statusSlot() {

@@ -88,6 +88,9 @@ bool DdpAccess::abandonStep(DistributedDataParallel& ddp) { return ddp.impl_->ab
 bool DdpAccess::lastStepAbandoned(DistributedDataParallel& ddp) {
   return ddp.impl_->lastStepAbandoned();
 }
+void DdpAccess::putBackStepBuffers(DistributedDataParallel& ddp) {
+  ddp.impl_->putBackStepBuffers();
+}
 std::vector<std::string> DdpAccess::bucketOrder(const DistributedDataParallel& ddp) {
   std::vector<std::string> names;
   for (const auto& bucket : ddp.impl_->layout()) {

@@ -248,8 +248,9 @@ void ShardedOptimizer::Impl::loadShards(const std::vector<std::vector<uint8_t>>&
   auto options = savedGroups(archives);
   // The shard's states are read into `staged` and installed only when every part has
   // been read: a part that does not fit throws before the optimizer changes.
-  std::vector<std::pair<c10::TensorImpl*, std::unique_ptr<torch::optim::OptimizerParamState>>>
-      staged;
+  // Staged on the host: moved to the device after the old states are gone, so that a
+  // load into an optimizer with state does not hold the shard twice on the device.
+  std::vector<std::pair<int64_t, std::unique_ptr<torch::optim::OptimizerParamState>>> staged;
   for (size_t part = 0; part < archives.size(); ++part) {
     auto& archive = archives[part];
     at::Tensor indices;
@@ -284,8 +285,7 @@ void ShardedOptimizer::Impl::loadShards(const std::vector<std::vector<uint8_t>>&
       archive.read("p" + std::to_string(indices[k].item<int64_t>()), one);
       auto state = newState(kind_);
       state->serialize(one);
-      moveState(*state, params_[i]);
-      staged.emplace_back(params_[i].unsafeGetTensorImpl(), std::move(state));
+      staged.emplace_back(i, std::move(state));
     }
   }
   // Parameters of this shard lose the state they had: the parts are the truth.
@@ -293,7 +293,8 @@ void ShardedOptimizer::Impl::loadShards(const std::vector<std::vector<uint8_t>>&
     optimizer_.state().erase(params_[i].unsafeGetTensorImpl());
   }
   for (auto& item : staged) {
-    optimizer_.state()[item.first] = std::move(item.second);
+    moveState(*item.second, params_[item.first]);
+    optimizer_.state()[params_[item.first].unsafeGetTensorImpl()] = std::move(item.second);
   }
   // The saved options replace the program's, as optimizer.load() does for a whole
   // optimizer: on every rank, a rank without a shard included (its groups are empty).

@@ -190,6 +190,7 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
     // memories were left as they were at decompression). Every rank skips together, and
     // the restore is local, so SyncBatchNorm's equal statistics stay equal.
     rollback_->restore();
+    detail::DdpAccess::putBackStepBuffers(*ddp_);  // and their weight in the next sync
   }
   scaler_->update();
   timer_->stop();  // on a device: an event after the optimizer's kernels, read later

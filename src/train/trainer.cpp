@@ -426,6 +426,7 @@ TrainSummary Trainer::Impl::fit() {
     timeline_.write(comm_, options_.timelinePath);
   }
   reporter_.summary(summary, run_.lastEvaluation);
+  fault::disarm();  // a later save() of this Trainer meets no fault left over
   return summary;
 }
 

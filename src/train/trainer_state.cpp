@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -106,8 +107,14 @@ std::vector<uint8_t> rankBlob(const StateParts& parts) {
   a.write("member", at::tensor(std::vector<int64_t>{memberId(parts)}, at::kLong));
   if (parts.comm.rank() == 0) {
     // Makes this commit's id (commitIdOf) differ from any other attempt's at the same step.
-    std::random_device entropy;
-    const int64_t nonce = (static_cast<int64_t>(entropy()) << 32) ^ entropy();
+    // random_device may throw (no entropy source): the clock then, as nothing here may
+    // fail on rank 0 alone before the allgather below.
+    int64_t nonce = std::chrono::steady_clock::now().time_since_epoch().count();
+    try {
+      std::random_device entropy;
+      nonce ^= (static_cast<int64_t>(entropy()) << 32) ^ entropy();
+    } catch (const std::exception&) {
+    }
     a.write("commit_nonce", at::tensor(std::vector<int64_t>{nonce}, at::kLong));
   }
   a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));

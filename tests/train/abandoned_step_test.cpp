@@ -3,6 +3,7 @@
 // optimizer and PowerSGD's memories are those of a straight run of the new split
 // (issue #48, item 3; DESIGN.md "An abandoned or skipped step leaves no trace").
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -13,8 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "ddp/ddp_access.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/data/datasets.h"
+#include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/train/state_file.h"
 #include "hddp/train/trainer.h"
@@ -175,8 +178,8 @@ TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
   expectAbandonedEqualsStraight([](hddp::TrainerOptions&) {});
 }
 
-// DDP's step count paces the buffers' synchronisation (rank 0's BatchNorm statistics
-// broadcast every bufferSyncInterval steps): an abandoned step must not count, or the
+// DDP's step count paces the buffers' synchronisation (BatchNorm's statistics set to
+// their sample-weighted mean over ranks every bufferSyncInterval steps): an abandoned step must not count, or the
 // repeat syncs one step early and rank 1's statistics end those of another schedule.
 // Before the fix rank 1's running mean differed from the straight run's.
 TEST(Trainer, AnAbandonedStepDoesNotShiftTheBufferSyncInterval) {
@@ -233,6 +236,65 @@ TEST(Trainer, ASkippedStepLeavesNoTraceInBatchNorm_Emu) {
     }
   });
   hddp::emu::checkNoViolations();
+}
+
+// A skipped step's statistics are put back, and so is their weight in the next buffer
+// synchronisation (every second step here): the buffers after step 4 are the weighted
+// mean over ranks of each rank's statistics of steps 1, 3 and 4, weighed by its shares
+// of those steps only. Before the fix the skipped step's share stayed in the weight (or,
+// when the skipped step synced, the earlier steps' shares were lost).
+TEST(StepRollback, ASkippedStepsBuffersLeaveTheNextSyncsWeightsToo) {
+  constexpr int64_t kGlobal = 16;
+  const std::vector<std::vector<int64_t>> shares{{4, 12}, {10, 6}, {3, 13}, {9, 7}};
+  // [rank]: BatchNorm's running mean after step 4; with `skip` the run skips step 2 and
+  // syncs every second step, without it the run leaves step 2 out and never syncs.
+  auto run = [&](bool skip) {
+    std::vector<at::Tensor> means(2);
+    std::vector<double> weights(2, 0.0);
+    runThreads(2, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      BnNet model{nullptr};
+      {
+        std::lock_guard<std::mutex> lock(initMutex);
+        torch::manual_seed(7);
+        model = BnNet();
+      }
+      hddp::DdpOptions options;
+      options.bufferSync = skip ? hddp::BufferSync::WithGradients : hddp::BufferSync::None;
+      options.bufferSyncInterval = 2;
+      hddp::DistributedDataParallel ddp(model.ptr(), *comm, options);
+      hddp::train::StepRollback rollback(*model, c10::Device(c10::kCPU));
+      for (size_t step = 0; step < shares.size(); ++step) {
+        const int64_t local = shares[step][static_cast<size_t>(rank)];
+        if (step == 1 && !skip) {
+          continue;
+        }
+        ddp.setBatch(local, kGlobal);
+        rollback.capture();
+        // A generator of its own: the ranks are threads, and the global one is shared.
+        auto generator = at::make_generator<at::CPUGeneratorImpl>(
+            static_cast<uint64_t>(100 * step + static_cast<size_t>(rank)));
+        const at::Tensor x =
+            at::randn({local, 1, 8, 8}, generator) * static_cast<double>(step + 1);
+        model->forward(x).sum().backward();
+        if (step == 1) {  // skipped (as every rank does on an overflow)
+          rollback.restore();
+          hddp::detail::DdpAccess::putBackStepBuffers(ddp);
+        } else {
+          weights[static_cast<size_t>(rank)] += static_cast<double>(local) / kGlobal;
+        }
+      }
+      means[static_cast<size_t>(rank)] = model->bn->running_mean.clone();
+    });
+    return std::make_pair(means, weights);
+  };
+  const auto [synced, syncedWeights] = run(/*skip=*/true);
+  const auto [local, weights] = run(/*skip=*/false);
+  const at::Tensor expected = (local[0] * weights[0] + local[1] * weights[1]) / (weights[0] + weights[1]);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(at::allclose(synced[r], expected, 1e-5, 1e-6))
+        << "rank " << r << ": largest difference " << (synced[r] - expected).abs().max().item<double>();
+  }
 }
 
 // The rollback itself: BatchNorm's statistics and the generators' draws of a forward

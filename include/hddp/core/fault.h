@@ -18,6 +18,9 @@
 //           default 0, the first attempt, so that a resumed job does not meet the same
 //           fault again; * for every attempt
 //
+// A fault acts once per process; with HDDP_FAULT_ONCE_DIR=DIR once per job: the first
+// process to meet it marks DIR/fault-<entry> (created exclusively) and later ones pass.
+//
 // Thread safety: the plan and the counts are per thread (the ranks of a test are threads
 // of one process); arm() on the thread that trains.
 #pragma once

@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -30,79 +31,13 @@
 #include <thread>
 #include <vector>
 
+#include "diff_matrix_zoo.h"
 #include "hddp/hddp.h"
 
 namespace {
 
 using json = nlohmann::json;
-
-// A Linear whose weight may be another layer's tensor (tied), as Python's
-// `dec.weight = enc.weight`: the same names (weight, bias) and arithmetic (F.linear).
-struct DenseImpl : torch::nn::Module {
-  DenseImpl(int64_t in, int64_t out, const at::Tensor& tiedWeight = {}, bool withBias = true) {
-    weight = register_parameter(
-        "weight", tiedWeight.defined() ? tiedWeight : torch::zeros({out, in}, torch::kDouble));
-    if (withBias) {
-      bias = register_parameter("bias", torch::zeros({out}, torch::kDouble));
-    }
-  }
-  at::Tensor forward(const at::Tensor& x) { return torch::linear(x, weight, bias); }
-  at::Tensor weight, bias;
-};
-TORCH_MODULE(Dense);
-
-// tools/diff-matrix/zoo.py's Zoo: the same modules, registered in the same order.
-struct ZooImpl : torch::nn::Module {
-  ZooImpl(const std::string& kind, const json& dims, bool checkpointed, hddp::Communicator* comm)
-      : kind(kind), checkpointed(checkpointed) {
-    const int64_t in = dims.at("in"), hidden = dims.at("hidden"), out = dims.at("out");
-    const bool normalized = kind == "bn" || kind == "syncbn";  // fc1 without bias (zoo.py)
-    fc1 = register_module("fc1", Dense(in, hidden, at::Tensor(), !normalized));
-    if (kind == "bn") {
-      bn = register_module("bn", torch::nn::BatchNorm1d(hidden));
-    } else if (kind == "syncbn") {
-      syncBn = register_module("bn", hddp::SyncBatchNorm(hddp::SyncBatchNormOptions(hidden), comm));
-    } else if (kind == "tied") {
-      enc = register_module("enc", Dense(hidden, hidden));
-      dec = register_module("dec", Dense(hidden, hidden, enc->weight));
-    }
-    fc2 = register_module("fc2", Dense(hidden, out));
-    if (kind == "unused") {
-      head = register_module("head", Dense(in, out));
-    }
-  }
-  at::Tensor forward(const at::Tensor& x, bool useHead) {
-    at::Tensor h = fc1(x);
-    if (bn) {
-      h = bn(h);
-    } else if (syncBn) {
-      h = syncBn(h);
-    }
-    h = torch::tanh(h);
-    if (enc) {
-      auto block = [this](const std::vector<at::Tensor>& in) {
-        return std::vector<at::Tensor>{torch::tanh(dec(torch::tanh(enc(in[0]))))};
-      };
-      h = checkpointed ? hddp::checkpoint(block, {h}, {enc->weight, enc->bias, dec->bias})[0]
-                       : block({h})[0];
-    }
-    auto last = [this](const std::vector<at::Tensor>& in) {
-      return std::vector<at::Tensor>{fc2(in[0])};
-    };
-    at::Tensor y =
-        checkpointed && !enc ? hddp::checkpoint(last, {h}, fc2->parameters())[0] : last({h})[0];
-    if (head && useHead) {
-      y = y + head(x);
-    }
-    return y;
-  }
-  std::string kind;
-  bool checkpointed;
-  Dense fc1{nullptr}, enc{nullptr}, dec{nullptr}, fc2{nullptr}, head{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-  hddp::SyncBatchNorm syncBn{nullptr};
-};
-TORCH_MODULE(Zoo);
+using diff_matrix::Zoo;
 
 using Tensors = std::map<std::string, at::Tensor>;
 
@@ -277,11 +212,15 @@ void backwardOfStep(const json& cfg, const Tensors& data, int s, int rank, Zoo& 
 std::vector<std::pair<std::string, at::Tensor>> runRank(const json& cfg, const Tensors& data,
                                                         int rank, int size, hddp::Store& store) {
   hddp::CommunicatorOptions commOptions;
-  commOptions.timeout = std::chrono::seconds(60);
+  if (std::getenv("HDDP_TIMEOUT_SEC") == nullptr) {  // matrix.py sets 20 s; Gloo's is 30 min
+    commOptions.timeout = std::chrono::seconds(60);
+  }
   commOptions.glooHostname = "127.0.0.1";
   commOptions.glooThreads = 1;
   auto comm = hddp::makeCommunicator(store, rank, size, commOptions);
-  Zoo model(cfg.at("model").get<std::string>(), cfg.at("dims"), cfg.at("checkpoint"), comm.get());
+  const json& dims = cfg.at("dims");
+  Zoo model(cfg.at("model").get<std::string>(), dims.at("in"), dims.at("hidden"), dims.at("out"),
+            cfg.at("checkpoint"), comm.get());
   loadInitial(*model, data, cfg.at("broadcast") && rank != 0,
               cfg.at("frozen").is_null() ? "" : cfg.at("frozen").get<std::string>());
   model->train();
@@ -398,8 +337,10 @@ std::string readText(const std::string& path) {
 bool runCase(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path outDir = fs::path(dir) / "out";
-  fs::remove_all(outDir);
   fs::create_directories(outDir);
+  for (const auto& entry : fs::directory_iterator(outDir)) {
+    fs::remove(entry.path());  // not fs::remove_all: it resolves to libtorch's copy, which crashes
+  }
   std::vector<std::string> errors;
   std::string caseError;
   try {

@@ -59,6 +59,11 @@ def draw(seed, **fixed):
     rng = random.Random(seed)
     world = fixed.get("world", rng.randint(1, 3))
     model = fixed.get("model", rng.choice(zoo.KINDS))
+    if "model" not in fixed and rng.random() < 0.3:  # a combination of parts
+        picked = [rng.choice(["bn", "syncbn", None]), rng.choice(["tied", None]),
+                  rng.choice(["unused", None])]
+        model = "+".join(p for p in picked if p) or "mlp"
+    norm = zoo.norm(model)
     micro = fixed.get("micro", rng.choice([1, 1, 2, 3]))
     steps = fixed.get("steps", rng.randint(2, 4))
     dims = {"in": rng.randint(2, 6), "hidden": rng.randint(3, 8), "out": rng.randint(2, 4)}
@@ -68,10 +73,10 @@ def draw(seed, **fixed):
         step_split, step_heads = [], []
         only = rng.randrange(world)  # "bn": the rank that trains this whole step
         for _ in range(micro):
-            if model == "syncbn":  # every rank needs a sample; BatchNorm needs two
+            if norm == "syncbn":  # every rank needs a sample; BatchNorm needs two
                 n = rng.randint(max(2, world), 10)
                 counts = _split(rng, n, world, 1)
-            elif model == "bn":  # per-rank statistics are exact when one rank trains
+            elif norm == "bn":  # per-rank statistics are exact when one rank trains
                 n = rng.randint(2, 10)
                 counts = [n if r == only else 0 for r in range(world)]
             else:
@@ -95,7 +100,7 @@ def draw(seed, **fixed):
         "steps": steps,
         "micro": micro,
         "splits": splits,
-        "heads": heads if model == "unused" else None,
+        "heads": heads if "unused" in zoo.parts(model) else None,
         "optimizer": _optimizer(rng),
         "zero": {"stage": zero_stage, "weights": weights},
         "clip": rng.choice([None, None, 0.05, 0.5, 5.0]),
@@ -104,7 +109,7 @@ def draw(seed, **fixed):
             "first_bucket_bytes": rng.choice([1 << 20, 256, 64]),
             "bucket_cap_bytes": rng.choice([big, 512, 128]),
             "gradient_as_bucket_view": rng.random() < 0.7,
-            "find_unused_parameters": model == "unused" or rng.random() < 0.2,
+            "find_unused_parameters": "unused" in zoo.parts(model) or rng.random() < 0.2,
         },
     }
     # Axes added later, drawn last so that a seed keeps its earlier axes.
@@ -128,10 +133,10 @@ def draw(seed, **fixed):
     cfg["frozen"] = "fc2.bias" if rng.random() < 0.2 else None  # requires_grad false
     # A rank without samples runs forward and backward on an empty batch (NaN mean loss)
     # instead of calling finalize(); not through BatchNorm.
-    cfg["empty_forward"] = model not in ("bn", "syncbn") and rng.random() < 0.3
+    cfg["empty_forward"] = norm is None and rng.random() < 0.3
     # Buffers other than plain BatchNorm's are equal on every rank anyway (SyncBatchNorm's)
     # or absent: no sync and sparse syncs must leave them so.
-    if model != "bn" and rng.random() < 0.3:
+    if norm != "bn" and rng.random() < 0.3:
         cfg["ddp"]["buffer_sync"] = rng.choice(["none", "with_gradients"])
         cfg["ddp"]["buffer_sync_interval"] = rng.randint(1, 3)
     else:
@@ -197,7 +202,10 @@ def axes(cfg):
     """The features a configuration exercises, as tags (matrix.py counts them)."""
     o, d, z, sc = cfg["optimizer"], cfg["ddp"], cfg["zero"], cfg["scaler"]
     world, splits = cfg["world"], cfg["splits"]
-    tags = [f"world {world}", cfg["model"], o["kind"], f"zero {z['stage']}"]
+    tags = [f"world {world}", o["kind"], f"zero {z['stage']}"]
+    tags += ["model " + p for p in sorted(zoo.parts(cfg["model"]))] or ["model mlp"]
+    if "+" in cfg["model"]:
+        tags.append("a combined model")
     zero_share = any(c == 0 for step in splits for counts in step for c in counts)
     idle_step = any(all(counts[r] == 0 for counts in step) for step in splits for r in range(world))
     late_zero = any(step[-1][r] == 0 and any(counts[r] for counts in step[:-1])

@@ -11,6 +11,9 @@ arithmetic): what the C++ driver trains on N ranks and the reference trains here
 - unused: fc1, tanh, fc2, plus head (Linear in->out) added to the output of the samples
           whose rank uses it in that micro-step (possibly none: then it has no gradient)
 
+A model may combine them: "syncbn+tied+unused" (a normalisation, then tied, then
+unused, joined by "+"); "mlp" is none of them.
+
 With "checkpoint" in a configuration the C++ side recomputes a block in backward
 (hddp::checkpoint: enc/dec of "tied", fc2 otherwise); the reference does not, as the
 result is the same arithmetic.
@@ -21,31 +24,44 @@ from torch import nn
 KINDS = ("mlp", "bn", "syncbn", "tied", "unused")
 
 
+def parts(kind):
+    """The parts of a model name: {"bn"} or {"syncbn"} or neither, "tied", "unused"."""
+    p = set(kind.split("+")) - {"mlp"}
+    assert p <= set(KINDS) and not {"bn", "syncbn"} <= p, kind
+    return p
+
+
+def norm(kind):
+    """ "bn", "syncbn" or None."""
+    p = parts(kind)
+    return "bn" if "bn" in p else "syncbn" if "syncbn" in p else None
+
+
 class Zoo(nn.Module):
     def __init__(self, kind, d_in, hidden, d_out):
         super().__init__()
-        assert kind in KINDS, kind
-        self.kind = kind
-        self.fc1 = nn.Linear(d_in, hidden, bias=kind not in ("bn", "syncbn"))
-        if kind in ("bn", "syncbn"):
+        p = parts(kind)
+        self.kind, self.tied, self.unused = kind, "tied" in p, "unused" in p
+        self.fc1 = nn.Linear(d_in, hidden, bias=norm(kind) is None)
+        if norm(kind):
             self.bn = nn.BatchNorm1d(hidden)
-        if kind == "tied":
+        if self.tied:
             self.enc = nn.Linear(hidden, hidden)
             self.dec = nn.Linear(hidden, hidden)
             self.dec.weight = self.enc.weight  # one tensor under two names
         self.fc2 = nn.Linear(hidden, d_out)
-        if kind == "unused":
+        if self.unused:
             self.head = nn.Linear(d_in, d_out)
 
     def forward(self, x, head_mask=None):
         h = self.fc1(x)
-        if self.kind in ("bn", "syncbn"):
+        if norm(self.kind):
             h = self.bn(h)
         h = torch.tanh(h)
-        if self.kind == "tied":
+        if self.tied:
             h = torch.tanh(self.dec(torch.tanh(self.enc(h))))
         y = self.fc2(h)
-        if self.kind == "unused" and head_mask is not None and bool(head_mask.any()):
+        if self.unused and head_mask is not None and bool(head_mask.any()):
             idx = head_mask.nonzero().squeeze(1)
             y = y.index_add(0, idx, self.head(x.index_select(0, idx)))
         return y
@@ -57,7 +73,7 @@ def make(cfg, seed):
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = Zoo(cfg["model"], d["in"], d["hidden"], d["out"]).double()
-    if cfg["model"] in ("bn", "syncbn"):
+    if norm(cfg["model"]):
         with torch.no_grad():  # running statistics that are not the defaults
             model.bn.weight.uniform_(0.5, 1.5)
             model.bn.bias.uniform_(-0.2, 0.2)

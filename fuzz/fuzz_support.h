@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -31,6 +32,7 @@ namespace fuzz {
 
 /// A folder of this process's own (tmpfs when there is one), made on first use and
 /// reused: the fuzzer runs one input at a time, each overwriting the last one's files.
+/// Removed at exit (a crash leaves it, with the input that crashed).
 inline const std::string& scratchDir() {
   static const std::string dir = [] {
     const char* base = std::getenv("HDDP_FUZZ_TMP");
@@ -40,6 +42,12 @@ inline const std::string& scratchDir() {
       std::perror("hddp fuzz: mkdtemp");
       std::abort();
     }
+    static std::string removed;  // for the handler, which takes no argument
+    removed = pattern;
+    std::atexit([] {
+      std::error_code ignored;
+      std::filesystem::remove_all(removed, ignored);
+    });
     return pattern;
   }();
   return dir;

@@ -74,6 +74,11 @@ export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=0}
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$repo/fuzz/lsan.supp:print_suppressions=0}"
 export HDDP_LOG_LEVEL="${HDDP_LOG_LEVEL:-off}"
+# The targets' scratch folders (fuzz_support.h), on tmpfs where there is one; a target
+# that crashes leaves its own behind, so the whole is removed at the end.
+HDDP_FUZZ_TMP="$(mktemp -d /dev/shm/hddp-fuzz.XXXXXX 2>/dev/null || mktemp -d)"
+export HDDP_FUZZ_TMP
+trap 'rm -rf "$HDDP_FUZZ_TMP"' EXIT
 common=(-rss_limit_mb=2048 -timeout=10 -print_final_stats=1 -print_funcs=0)
 # shellcheck disable=SC2206
 extra=(${HDDP_FUZZ_ARGS:-})

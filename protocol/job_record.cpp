@@ -16,6 +16,37 @@ namespace hddp {
 namespace jobrecord {
 namespace {
 
+// A number the record's readers convert to an integer must fit the integer: "t" is a
+// double, "pid", "step" and "repeated" are int64 (kept within 2^53, where a double is
+// exact), every other number (generation, slot, min, max, code, the slots listed) is an
+// int. A line with a number out of range is skipped, as a line that is not JSON is.
+bool numbersFit(const nlohmann::json& e) {
+  for (auto it = e.begin(); it != e.end(); ++it) {
+    const bool wide = it.key() == "pid" || it.key() == "step" || it.key() == "repeated";
+    const double limit = it.key() == "t" ? 1e300 : wide ? 9007199254740992.0 : 2147483647.0;
+    const auto fits = [limit](const nlohmann::json& v) {
+      if (!v.is_number()) {
+        return true;  // a wrong type is the reader's type_error, caught per line
+      }
+      if (v.is_number_unsigned()) {
+        return static_cast<double>(v.get<uint64_t>()) <= limit;
+      }
+      const double d = v.get<double>();
+      return std::isfinite(d) && d <= limit && d >= -limit;
+    };
+    if (it->is_array()) {
+      for (const auto& v : *it) {
+        if (!fits(v)) {
+          return false;
+        }
+      }
+    } else if (!fits(*it)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 using json = nlohmann::json;
 
 std::string fixed(double v, int digits = 1) {
@@ -94,6 +125,8 @@ void Writer::add(const std::string& event, const nlohmann::json& fields) {
   }
 }
 
+static void readEvent(const json& e, Job& job, double& lastEnd, std::string& lastEndText);
+
 Job read(const std::string& dir) {
   const std::string path = jobRecordPath(dir);
   std::ifstream in(path);
@@ -108,10 +141,25 @@ Job read(const std::string& dir) {
   std::string line;
   while (std::getline(in, line)) {
     json e = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!e.is_object() || !e.contains("event") || !e.contains("t")) {
+    if (!e.is_object() || !e.contains("event") || !e.contains("t") || !numbersFit(e)) {
       ++job.skippedLines;
       continue;
     }
+    try {
+      readEvent(e, job, lastEnd, lastEndText);
+    } catch (const json::exception&) {
+      ++job.skippedLines;  // a field of another type than the record's (a number for a name)
+    }
+  }
+  if (job.start < 0) {
+    throw std::runtime_error(path + " has no \"job\" event: not written by hddp-run");
+  }
+  return job;
+}
+
+// One event of the record applied to `job` (json::exception for a field of a wrong type).
+static void readEvent(const json& e, Job& job, double& lastEnd, std::string& lastEndText) {
+  {
     const std::string event = e.value("event", "");
     const double t = e.value("t", 0.0);
     const int gen = e.value("generation", 0);
@@ -173,10 +221,6 @@ Job read(const std::string& dir) {
       job.endWhy = e.value("why", "");
     }
   }
-  if (job.start < 0) {
-    throw std::runtime_error(path + " has no \"job\" event: not written by hddp-run");
-  }
-  return job;
 }
 
 int64_t repeatedSteps(const Job& job) {

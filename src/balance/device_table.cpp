@@ -119,7 +119,7 @@ DeviceTable DeviceTable::parse(const std::string& textIn, const std::string& ori
   json root;
   try {
     root = json::parse(textIn);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // a syntax error, or a number beyond a double
     HDDP_CHECK_AS(ConfigError, false, origin, " is not valid JSON: ", e.what());
   }
   HDDP_CHECK_AS(ConfigError, root.is_object(), origin,

@@ -95,10 +95,16 @@ at::Tensor readIdx(const std::string& path) {
   const int dims = bytes[3];
   HDDP_CHECK_AS(DataError, dims >= 1 && dims <= 8 && bytes.size() >= 4 + 4 * size_t(dims), path,
                 ": IDX header claims ", dims, " dimensions");
+  // Each dimension is below 2^32 and the file holds every element, so a product above
+  // the file's size is refused before it can overflow.
   std::vector<int64_t> shape;
   int64_t count = 1;
   for (int d = 0; d < dims; ++d) {
     shape.push_back(bigEndian32(&bytes[4 + 4 * d]));
+    if (shape.back() != 0 && count > static_cast<int64_t>(bytes.size()) / shape.back()) {
+      HDDP_THROW(DataError, path, " is truncated: its IDX header claims more elements than its ",
+                 bytes.size(), " bytes can hold");
+    }
     count *= shape.back();
   }
   at::ScalarType dtype;
@@ -137,6 +143,9 @@ at::Tensor readIdx(const std::string& path) {
   at::Tensor out = at::empty(shape, at::TensorOptions().dtype(dtype));
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
   const uint8_t* src = bytes.data() + header;
+  if (count == 0) {
+    return out;  // no elements (and no storage to copy into)
+  }
   if (width == 1) {
     std::memcpy(dst, src, size_t(count));
   } else {

@@ -350,7 +350,17 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
       }
     // Every tensor onto the host first: the file holds rank 0's optimizer state on rank
     // 0's device (cuda:0, emu:0), which this rank may not have or not use.
-    archive.load_from(payload.data(), payload.size(), c10::Device(c10::kCPU));
+    // LibTorch's own errors (a payload that is no archive, code that does not parse) as a
+    // StateError naming the file, which the others learn too.
+    try {
+      archive.load_from(payload.data(), payload.size(), c10::Device(c10::kCPU));
+    } catch (const c10::Error& e) {
+      HDDP_THROW(StateError, "state file ", path, " holds no readable archive (",
+                 e.what_without_backtrace(), "); resume from an earlier state file");
+    } catch (const std::exception& e) {
+      HDDP_THROW(StateError, "state file ", path, " holds no readable archive (", e.what(),
+                 "); resume from an earlier state file");
+    }
     loaded.meta = decode(readTensor(archive, "meta", path), path);
     at::Tensor progress;
     if (archive.try_read("progress", progress) && progress.numel() == 7) {

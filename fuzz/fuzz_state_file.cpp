@@ -48,7 +48,8 @@ struct OneRankJob {
     auto data = std::make_shared<hddp::SyntheticClassificationDataset>(32, 1, 2, 3, /*seed=*/5);
     auto flat = net;
     trainer = std::make_unique<hddp::Trainer>(
-        *comm, net.ptr(), [flat](const at::Tensor& x) mutable { return flat->forward(x.flatten(1)); },
+        *comm, net.ptr(),
+        [flat](const at::Tensor& x) mutable { return flat->forward(x.flatten(1)); },
         hddp::crossEntropy(), optimizer, data, o);
   }
 };
@@ -88,8 +89,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string fixed(reinterpret_cast<const char*>(data), size);
   putLittleEndian(fixed, 8, size - kHeader, 8);
   putLittleEndian(fixed, 16, hddp::crc32Of(fixed.data() + kHeader, size - kHeader), 4);
-  const std::string path = hddp::fuzz::writeInput(
-      reinterpret_cast<const uint8_t*>(fixed.data()), fixed.size(), "state-00000002.hddp");
+  const std::string path = hddp::fuzz::writeInput(reinterpret_cast<const uint8_t*>(fixed.data()),
+                                                  fixed.size(), "state-00000002.hddp");
   hddp::fuzz::refusedCleanly("Trainer::load", [&] { job().trainer->load(path); });
   return 0;
 }

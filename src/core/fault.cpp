@@ -7,10 +7,10 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <thread>
@@ -33,7 +33,8 @@ struct Armed {
 thread_local Armed armed;
 
 constexpr const char* kGrammar =
-    "KIND@POINT=N[,rank=R][,slot=S][,restart=K|*] entries separated by ';', KIND one of kill, raise, "
+    "KIND@POINT=N[,rank=R][,slot=S][,restart=K|*] entries separated by ';', KIND one of kill, "
+    "raise, "
     "hang, slow=SECONDS, nospace; POINT one of step, save";
 
 [[noreturn]] void bad(const std::string& entry, const std::string& what) {
@@ -220,8 +221,7 @@ void arm(int rank, int restart, int slot) {
   }
   HDDP_LOG_WARN("fault", "fault injection is on (HDDP_FAULT=", *text, "): rank ", rank,
                 slot >= 0 ? " (slot " + std::to_string(slot) + ")" : std::string(), " in attempt ",
-                restart, " will meet ",
-                armed.faults.empty() ? std::string("none of them") : list);
+                restart, " will meet ", armed.faults.empty() ? std::string("none of them") : list);
 }
 
 void disarm() { armed = Armed{}; }

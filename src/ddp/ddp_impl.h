@@ -188,10 +188,10 @@ class DistributedDataParallel::Impl {
   std::vector<std::string> bufferNames_;
   std::vector<Bucket> buckets_;
   double weight_ = 1.0;
-  double bufferWeight_ = 0.0;  // sum of local/global since the buffers were last synced
+  double bufferWeight_ = 0.0;      // sum of local/global since the buffers were last synced
   double weightAfterStep_ = 0.0;   // bufferWeight_ when the last step ended
   double weightBeforeStep_ = 0.0;  // ... when the one before it ended (undone with a step)
-  bool batchSet_ = false;      // setBatch() was called since then
+  bool batchSet_ = false;          // setBatch() was called since then
   bool noSync_ = false;
   bool stepActive_ = false;
   bool stepDone_ = false;  // the last step was synchronized; no new one has started

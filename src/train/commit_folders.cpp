@@ -164,7 +164,8 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
           const std::string name = fs::path(*it).filename().string();
           // state-N.hddp, and the commit's id: two folders may hold different files of
           // the same step (a folder reused from another attempt), which must not both load.
-          const uint64_t id = identify ? identify(payload) : crc32Of(payload.data(), payload.size());
+          const uint64_t id =
+              identify ? identify(payload) : crc32Of(payload.data(), payload.size());
           found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5))) + " " +
                   std::to_string(id);
           scanned = std::move(payload);
@@ -240,8 +241,8 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
     lacks[static_cast<size_t>(r)] = !sameStep || ids[static_cast<size_t>(w)] != chosenId;
     if (sameStep && lacks[static_cast<size_t>(r)] && r == rank && groups.writes(rank)) {
       HDDP_LOG_WARN("train", "the save folder ", groups.dir, "'s file of step ", chosen.step,
-                    " is another attempt's than rank ", source, "'s: rank ", source,
-                    "'s is loaded", keep ? " and replaces it" : "");
+                    " is another attempt's than rank ", source, "'s: rank ", source, "'s is loaded",
+                    keep ? " and replaces it" : "");
     }
     chosen.receivers += lacks[static_cast<size_t>(r)] ? 1 : 0;
   }

@@ -55,9 +55,7 @@ TEST(Elastic, FiveFaultsOfMixedKindsLoseNoSampleAndTheRecordCountsTheRepeats) {
                             "'kill@step=80,slot=0,restart=*'", "'slow=2@step=100,slot=1,restart=*'",
                             "'kill@step=115,slot=2,restart=*'"}) {
     const size_t first = r.output.find(std::string("injecting ") + fault);
-    EXPECT_NE(first, std::string::npos)
-        << fault << " was not met:\n"
-        << r.output;
+    EXPECT_NE(first, std::string::npos) << fault << " was not met:\n" << r.output;
     EXPECT_EQ(r.output.find(std::string("injecting ") + fault, first + 1), std::string::npos)
         << fault << " acted twice";
   }
@@ -72,17 +70,7 @@ TEST(Elastic, FiveFaultsOfMixedKindsLoseNoSampleAndTheRecordCountsTheRepeats) {
   EXPECT_EQ(none, 0);
   ASSERT_EQ(trained.size(), 150u);
   ASSERT_EQ(reference.size(), 150u);
-  for (int64_t epoch = 0; epoch < 5; ++epoch) {  // 30 steps of 24 = the 720 samples once
-    std::vector<int64_t> all;
-    for (int64_t step = epoch * 30 + 1; step <= (epoch + 1) * 30; ++step) {
-      ASSERT_EQ(trained.at(step), reference.at(step)) << "step " << step;
-      all.insert(all.end(), trained.at(step).begin(), trained.at(step).end());
-    }
-    std::sort(all.begin(), all.end());
-    std::vector<int64_t> once(720);
-    std::iota(once.begin(), once.end(), 0);
-    EXPECT_EQ(all, once) << "epoch " << epoch;
-  }
+  hddp::testing::expectEachEpochOnceAsTheReference(trained, reference);
   // The record's count of repeated steps comes from each slot's last progress mark,
   // written just after the step's sample line: a rank killed between the two leaves it
   // one step short per departure (4 here).
@@ -97,7 +85,8 @@ TEST(Elastic, FiveFaultsOfMixedKindsLoseNoSampleAndTheRecordCountsTheRepeats) {
   EXPECT_EQ(job["departures"].size(), 4u) << job;
   std::printf("%d step(s) trained twice; the job record says %d; %zu generations\n", repeated,
               recorded, job["generations"].size());
-  auto same = runCommand(worker() + " same-params " + chaos + "/final.pt " + straight + "/final.pt");
+  auto same =
+      runCommand(worker() + " same-params " + chaos + "/final.pt " + straight + "/final.pt");
   EXPECT_EQ(same.exitCode, 0) << same.output;
 }
 

@@ -168,17 +168,7 @@ TEST(Elastic, ARankUnpluggedAndBackLosesNoSampleAndEndsAsAnUndisturbedRun) {
   EXPECT_EQ(none, 0);
   ASSERT_EQ(trained.size(), 150u);
   ASSERT_EQ(reference.size(), 150u);
-  for (int64_t epoch = 0; epoch < 5; ++epoch) {  // 30 steps of 24 = the 720 samples once
-    std::vector<int64_t> all;
-    for (int64_t step = epoch * 30 + 1; step <= (epoch + 1) * 30; ++step) {
-      ASSERT_EQ(trained.at(step), reference.at(step)) << "step " << step;
-      all.insert(all.end(), trained.at(step).begin(), trained.at(step).end());
-    }
-    std::sort(all.begin(), all.end());
-    std::vector<int64_t> once(720);
-    std::iota(once.begin(), once.end(), 0);
-    EXPECT_EQ(all, once) << "epoch " << epoch;
-  }
+  hddp::testing::expectEachEpochOnceAsTheReference(trained, reference);
   std::printf("unplugged at %.2f s; %d step(s) trained again after the loss\n", at, repeated);
   // The log says how many, from the last step each slot marked before it was stopped.
   // A mark is written just after the step's sample line, so a rank killed between the

@@ -61,8 +61,9 @@ TEST(Fault, ABadEntryIsAConfigErrorThatSaysWhatIsWrong) {
             std::string::npos);
   EXPECT_NE(configError("nospace@step=2").find("nospace applies to save only"), std::string::npos);
   EXPECT_NE(configError("slow=abc@step=2").find("slow's seconds"), std::string::npos);
-  EXPECT_NE(configError("raise@step=2,node=1").find("unknown filter 'node' (rank, slot or restart)"),
-            std::string::npos);
+  EXPECT_NE(
+      configError("raise@step=2,node=1").find("unknown filter 'node' (rank, slot or restart)"),
+      std::string::npos);
   EXPECT_NE(configError("raise@step=2").find("(no ConfigError)"), std::string::npos);
 }
 
@@ -140,9 +141,8 @@ TEST(Fault, AFullDiskAtASaveFailsEveryRankAndThePreviousCommitResumes) {
 // The newest commit cut short (a disk that lost its tail): the one before it resumes.
 TEST(Fault, ATruncatedNewestCommitGivesWayToThePreviousOne) {
   const std::string dir = hddp::testing::makeTempDir();
-  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    run(rank, size, store, dir, 6);
-  });
+  hddp::testing::runThreads(
+      2, [&](int rank, int size, hddp::Store& store) { run(rank, size, store, dir, 6); });
   const std::string newest = hddp::stateFileName(dir, 6);
   fs::resize_file(newest, fs::file_size(newest) / 2);
   std::vector<hddp::TrainSummary> summaries(2);

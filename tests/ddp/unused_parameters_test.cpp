@@ -4,14 +4,13 @@
 // zero_grad(false) stay zeros), and one used on some ranks only gets the reduced
 // gradient. Checked against single-device training on the whole batch, step by step,
 // with gradients as bucket views or copies, noSync() accumulation, and ZeRO-1 and -2.
+#include <c10/core/CachingDeviceAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <mutex>
 #include <optional>
 #include <string>
-
-#include <c10/core/CachingDeviceAllocator.h>
 
 #include "ddp/ddp_access.h"  // the Trainer's access to an abandoned step
 #include "hddp/comm/communicator.h"

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <string>
@@ -73,6 +74,24 @@ inline std::map<int64_t, std::vector<int64_t>> stepsOf(const std::string& prefix
     out[step] = entry.second;
   }
   return out;
+}
+
+// The test worker's elastic-train run (5 epochs of 30 steps of 24 samples): every step
+// trained the reference run's samples, and each epoch trained the 720 samples once.
+inline void expectEachEpochOnceAsTheReference(
+    const std::map<int64_t, std::vector<int64_t>>& trained,
+    const std::map<int64_t, std::vector<int64_t>>& reference) {
+  for (int64_t epoch = 0; epoch < 5; ++epoch) {
+    std::vector<int64_t> all;
+    for (int64_t step = epoch * 30 + 1; step <= (epoch + 1) * 30; ++step) {
+      ASSERT_EQ(trained.at(step), reference.at(step)) << "step " << step;
+      all.insert(all.end(), trained.at(step).begin(), trained.at(step).end());
+    }
+    std::sort(all.begin(), all.end());
+    std::vector<int64_t> once(720);
+    std::iota(once.begin(), once.end(), 0);
+    EXPECT_EQ(all, once) << "epoch " << epoch;
+  }
 }
 
 }  // namespace testing

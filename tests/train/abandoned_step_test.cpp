@@ -179,8 +179,8 @@ TEST(Trainer, AnAbandonedStepLeavesNoTraceInPowerSgdBatchNormOrRng) {
 }
 
 // DDP's step count paces the buffers' synchronisation (BatchNorm's statistics set to
-// their sample-weighted mean over ranks every bufferSyncInterval steps): an abandoned step must not count, or the
-// repeat syncs one step early and rank 1's statistics end those of another schedule.
+// their sample-weighted mean over ranks every bufferSyncInterval steps): an abandoned step must not
+// count, or the repeat syncs one step early and rank 1's statistics end those of another schedule.
 // Before the fix rank 1's running mean differed from the straight run's.
 TEST(Trainer, AnAbandonedStepDoesNotShiftTheBufferSyncInterval) {
   expectAbandonedEqualsStraight([](hddp::TrainerOptions& o) { o.ddp.bufferSyncInterval = 2; });
@@ -221,8 +221,8 @@ TEST(Trainer, ASkippedStepLeavesNoTraceInBatchNorm_Emu) {
     o.scaler.initScale = std::ldexp(1.0, 40);
     o.scaler.backoffFactor = std::ldexp(1.0, -32);
     auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(64, 1, 8, 4, /*seed=*/3);
-    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt,
-                          ds, o);
+    hddp::Trainer trainer(*comm, model.ptr(), hddp::forwardOf(model), hddp::crossEntropy(), opt, ds,
+                          o);
     trainer.fit();
     EXPECT_EQ(trainer.scaler().currentScale(), 256.0) << "rank " << rank << ": no step was skipped";
     EXPECT_EQ(model->bn->num_batches_tracked.item<int64_t>(), 0) << "rank " << rank;
@@ -274,8 +274,7 @@ TEST(StepRollback, ASkippedStepsBuffersLeaveTheNextSyncsWeightsToo) {
         // A generator of its own: the ranks are threads, and the global one is shared.
         auto generator = at::make_generator<at::CPUGeneratorImpl>(
             static_cast<uint64_t>(100 * step + static_cast<size_t>(rank)));
-        const at::Tensor x =
-            at::randn({local, 1, 8, 8}, generator) * static_cast<double>(step + 1);
+        const at::Tensor x = at::randn({local, 1, 8, 8}, generator) * static_cast<double>(step + 1);
         model->forward(x).sum().backward();
         if (step == 1) {  // skipped (as every rank does on an overflow)
           rollback.restore();
@@ -290,10 +289,12 @@ TEST(StepRollback, ASkippedStepsBuffersLeaveTheNextSyncsWeightsToo) {
   };
   const auto [synced, syncedWeights] = run(/*skip=*/true);
   const auto [local, weights] = run(/*skip=*/false);
-  const at::Tensor expected = (local[0] * weights[0] + local[1] * weights[1]) / (weights[0] + weights[1]);
+  const at::Tensor expected =
+      (local[0] * weights[0] + local[1] * weights[1]) / (weights[0] + weights[1]);
   for (size_t r = 0; r < 2; ++r) {
     EXPECT_TRUE(at::allclose(synced[r], expected, 1e-5, 1e-6))
-        << "rank " << r << ": largest difference " << (synced[r] - expected).abs().max().item<double>();
+        << "rank " << r << ": largest difference "
+        << (synced[r] - expected).abs().max().item<double>();
   }
 }
 
@@ -322,4 +323,3 @@ TEST(StepRollback, PutsBackBuffersAndRandomDraws) {
 }
 
 }  // namespace
-

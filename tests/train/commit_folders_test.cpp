@@ -290,9 +290,9 @@ TEST(CommitFolders, AnUntouchedRestartOfFoldersPerRankSendsNothing) {
   std::vector<std::vector<at::Tensor>> params(2);
   std::vector<hddp::TrainSummary> summaries(2);
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    summaries[static_cast<size_t>(rank)] = train(rank, size, store, rank == 0 ? a : b,
-                                                 /*maxSteps=*/5, &restarted,
-                                                 &params[static_cast<size_t>(rank)]);
+    summaries[static_cast<size_t>(rank)] =
+        train(rank, size, store, rank == 0 ? a : b,
+              /*maxSteps=*/5, &restarted, &params[static_cast<size_t>(rank)]);
   });
   EXPECT_EQ(summaries[0].steps, 1) << "resumed at step 4";
   for (size_t i = 0; i < params[0].size(); ++i) {

@@ -53,9 +53,8 @@ TEST(OptionsAgreement, Fp16OnOneRankOnlyIsAnErrorOnEveryRank) {
 }
 
 TEST(OptionsAgreement, AnotherBufferSyncIntervalIsAnErrorOnEveryRank) {
-  const auto errors = agree([](int rank, hddp::TrainerOptions& o) {
-    o.ddp.bufferSyncInterval = rank + 1;
-  });
+  const auto errors =
+      agree([](int rank, hddp::TrainerOptions& o) { o.ddp.bufferSyncInterval = rank + 1; });
   for (const auto& e : errors) {
     EXPECT_NE(e.find("TrainerOptions::ddp.bufferSync"), std::string::npos) << e;
   }

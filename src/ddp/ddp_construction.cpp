@@ -10,6 +10,7 @@
 #include "ddp/ready_hook.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/ddp/sync_batch_norm.h"
 
 namespace hddp {
 
@@ -143,6 +144,35 @@ void DistributedDataParallel::Impl::installHook() {
   hook_ = std::move(hook);
   statusWire_ = at::Tensor();  // nothing of an earlier hook's status is left to copy back
   statusWork_ = Work();
+}
+
+// With findUnusedParameters the ranks may use different parameters, so a bucket can be
+// ready during backward on one rank and only at its end on another. A SyncBatchNorm
+// sums its statistics in backward: were a bucket sent during backward, one rank's
+// bucket would meet another rank's SyncBatchNorm sum (silently wrong sums when their
+// sizes agree, a hang when not). The buckets then wait for the end of backward and go
+// out in index order there on every rank (no overlap of sending with backward). Checked
+// at each step, so a conversion after construction counts too.
+bool DistributedDataParallel::Impl::holdBucketsUntilBackwardEnds() {
+  if (!options_.findUnusedParameters || comm_.size() < 2) {
+    return false;
+  }
+  bool found = false;
+  for (const auto& module : module_->modules(/*include_self=*/true)) {
+    const auto* sync = dynamic_cast<const SyncBatchNormImpl*>(module.get());
+    if (sync && sync->communicator() && sync->communicator()->size() > 1) {
+      found = true;
+      break;
+    }
+  }
+  if (found && !warnedHoldBuckets_) {
+    warnedHoldBuckets_ = true;
+    HDDP_LOG_INFO("ddp",
+                  "findUnusedParameters beside SyncBatchNorm: gradient buckets are sent when "
+                  "backward ends, not during it (ranks that use different parameters would "
+                  "otherwise cross SyncBatchNorm's collectives in backward)");
+  }
+  return found;
 }
 
 }  // namespace hddp

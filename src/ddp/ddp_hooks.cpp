@@ -108,6 +108,7 @@ void DistributedDataParallel::Impl::beginStep() {
   stats_ = DdpStepStats{};
   stats_.buckets = static_cast<int>(buckets_.size());
   abandonedLocally_ = false;
+  holdBuckets_ = holdBucketsUntilBackwardEnds();
   if (!buckets_.empty()) {
     statusSlot().zero_();
   }
@@ -175,6 +176,9 @@ void DistributedDataParallel::Impl::markReady(int index, bool duringBackward) {
 // Buckets are launched strictly in index order, so every rank issues the same
 // collectives in the same order.
 void DistributedDataParallel::Impl::launchReadyBuckets(bool duringBackward) {
+  if (duringBackward && holdBuckets_) {
+    return;  // finalize() sends them, in index order, after the last SyncBatchNorm's
+  }
   while (nextBucket_ < static_cast<int>(buckets_.size()) && buckets_[nextBucket_].pending == 0) {
     Bucket& b = buckets_[nextBucket_];
     if (options_.beforeBucketLaunch) {

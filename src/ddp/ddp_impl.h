@@ -165,6 +165,9 @@ class DistributedDataParallel::Impl {
   void settleForeignGradients();
   void release(Bucket& b);
   void rebuildFromObservedOrder();
+  /// findUnusedParameters beside a SyncBatchNorm that synchronizes over several ranks:
+  /// buckets wait for the end of backward (ddp_construction.cpp).
+  bool holdBucketsUntilBackwardEnds();
 
   std::shared_ptr<torch::nn::Module> module_;
   Communicator& comm_;
@@ -203,6 +206,8 @@ class DistributedDataParallel::Impl {
   int64_t step_ = 0;
   bool stepCounted_ = false;  // finalize() counted the step; lastStepAbandoned() not read yet
   bool recordOrder_ = true;
+  bool holdBuckets_ = false;        // this step's buckets are sent at its end only
+  bool warnedHoldBuckets_ = false;  // said once in the log
   std::vector<int> readyOrder_;
   DdpStepStats stats_;
   std::vector<BucketTiming> bucketTimes_;  // the last synchronized step's, launch order

@@ -181,4 +181,97 @@ TEST(SyncBatchNorm, ConverterSwapsRegistryOnlyLayersAndRefusesHeldOnes) {
   });
 }
 
+// linear -> SyncBatchNorm(4) -> relu -> a bias-free head (2x4) that only some samples go
+// through; the others take the first two channels. Double precision.
+struct HeadNetImpl : torch::nn::Module {
+  HeadNetImpl() {
+    lin = register_module("lin", torch::nn::Linear(3, 4));
+    bn = register_module("bn", hddp::SyncBatchNorm(4));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(4, 2).bias(false)));
+    to(torch::kDouble);
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool useHead) {
+    auto h = torch::relu(bn(lin(x)));
+    return useHead ? head(h) : h.narrow(1, 0, 2);
+  }
+  torch::nn::Linear lin{nullptr};
+  hddp::SyncBatchNorm bn{nullptr};
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(HeadNet);
+
+// findUnusedParameters, rank 0 uses the head and rank 1 does not; the head has a bucket of
+// its own (64 bytes). Rank 0's head is ready before SyncBatchNorm's backward sum, rank 1's
+// only when backward ends: sent during backward, rank 0's head bucket (8 doubles) met
+// rank 1's SyncBatchNorm sum (2 x 4 channels, 8 doubles) and each was summed with the
+// other, silently. (Found by the differential matrix, tools/diff-matrix, seed 1060.)
+TEST(SyncBatchNorm, AParameterUsedOnSomeRanksDoesNotCrossItsBackwardSums) {
+  const int64_t B = 8;
+  torch::manual_seed(11);
+  HeadNet initial;
+  std::vector<torch::Tensor> xs;
+  std::vector<torch::Tensor> ys;
+  for (int s = 0; s < 2; ++s) {
+    xs.push_back(torch::randn({B, 3}, torch::kDouble));
+    ys.push_back(torch::randn({B, 2}, torch::kDouble));
+  }
+  auto copyFrom = [&](HeadNet& to) {
+    torch::NoGradGuard g;
+    auto src = initial->named_parameters();
+    for (auto& p : to->named_parameters()) {
+      p.value().copy_(src[p.key()]);
+    }
+  };
+  // One device, the whole batch: samples 0-3 (rank 0's) take the head, 4-7 do not.
+  HeadNet reference;
+  copyFrom(reference);
+  torch::optim::SGD refOpt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  for (int s = 0; s < 2; ++s) {
+    refOpt.zero_grad();
+    auto h = torch::relu(reference->bn(reference->lin(xs[s])));
+    auto loss = 0.5 * torch::mse_loss(reference->head(h.narrow(0, 0, 4)), ys[s].narrow(0, 0, 4)) +
+                0.5 * torch::mse_loss(h.narrow(0, 4, 4).narrow(1, 0, 2), ys[s].narrow(0, 4, 4));
+    loss.backward();
+    refOpt.step();
+  }
+  std::vector<double> diffs(2, 1e9);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions co;
+    co.timeout = std::chrono::seconds(20);  // crossed sums of unlike sizes would hang
+    auto comm = hddp::makeCommunicator(store, rank, size, co);
+    HeadNet model;
+    copyFrom(model);
+    model->bn->setCommunicator(comm.get());
+    hddp::DdpOptions options;
+    options.findUnusedParameters = true;
+    options.firstBucketBytes = 64;  // the head alone
+    options.bucketCapBytes = 1 << 20;
+    options.rebuildBuckets = false;
+    hddp::DistributedDataParallel ddp(model, *comm, options);
+    torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int s = 0; s < 2; ++s) {
+      ddp.setBatch(4, B);
+      opt.zero_grad();
+      torch::mse_loss(model->forward(xs[s].narrow(0, 4 * rank, 4), rank == 0),
+                      ys[s].narrow(0, 4 * rank, 4))
+          .backward();
+      opt.step();
+    }
+    double d = 0;
+    auto ref = reference->named_parameters();
+    for (auto& p : model->named_parameters()) {
+      d = std::max(d, (p.value() - ref[p.key()]).abs().max().item<double>());
+    }
+    auto refBuffers = reference->named_buffers();
+    for (auto& b : model->named_buffers()) {
+      if (b.value().is_floating_point()) {
+        d = std::max(d, (b.value() - refBuffers[b.key()]).abs().max().item<double>());
+      }
+    }
+    diffs[rank] = d;
+  });
+  EXPECT_LT(diffs[0], 1e-12);
+  EXPECT_LT(diffs[1], 1e-12);
+}
+
 }  // namespace

@@ -117,8 +117,10 @@ struct DdpOptions {
   /// parameter after the last bucket. With gradientAsBucketView PyTorch leaves a defined
   /// .grad of such a parameter as the average over ranks of what each rank held; hddp
   /// restores each rank's own (the same wherever the ranks held the same). Every rank
-  /// must set it alike. Default false (an unused parameter is reported, naming it; zeros
-  /// are still sent, so no rank hangs).
+  /// must set it alike. Beside a SyncBatchNorm on several ranks, buckets are sent when
+  /// backward ends, not during it: ranks that used different parameters would otherwise
+  /// cross SyncBatchNorm's sums in backward. Default false (an unused parameter is
+  /// reported, naming it; zeros are still sent, so no rank hangs).
   bool findUnusedParameters = false;
   /// Gradients are views into the bucket buffers (no copy per step). Default true.
   bool gradientAsBucketView = true;

@@ -52,6 +52,8 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   at::Tensor forward(const at::Tensor& input);
 
   void setCommunicator(Communicator* communicator) { communicator_ = communicator; }
+  /// The communicator its statistics are summed over (null: none yet).
+  Communicator* communicator() const { return communicator_; }
   const SyncBatchNormOptions& options() const { return options_; }
 
   at::Tensor weight;

@@ -1,5 +1,7 @@
-// What-if planning (hddp/balance/what_if.h): a mix of the device table's cards and links,
-// a model's profile, and the planner's own solver and allreduce model.
+// What-if planning (hddp/balance/what_if.h): each device's costs from the device table and
+// a model's profile, the prediction of a mix with the planner's own solver, and its advice.
+// The step and allreduce model is in what_if_step.cpp, the memory rules in
+// what_if_memory.cpp.
 #include "hddp/balance/what_if.h"
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include "hddp/balance/memory_model.h"
 #include "hddp/core/error.h"
 #include "what_if_memory.h"
+#include "what_if_step.h"
 
 namespace hddp {
 
@@ -31,6 +34,15 @@ using what_if_detail::parseShardRule;
 using what_if_detail::setCaps;
 using what_if_detail::ShardRule;
 using what_if_detail::sharesFor;
+
+// The step model, split out into what_if_step.cpp.
+using what_if_detail::aloneSamplesPerSecond;
+using what_if_detail::chooseTraffic;
+using what_if_detail::plainTraffic;
+using what_if_detail::solvedStep;
+using what_if_detail::Step;
+using what_if_detail::stepFor;
+using what_if_detail::Traffic;
 
 namespace {
 
@@ -52,99 +64,6 @@ std::string compared(double mine, double other) {
 std::string label(const MixEntry& e) { return e.device.key + " on " + e.link.key; }
 
 std::string capText(int64_t cap) { return cap == kNoCap ? "no cap" : std::to_string(cap); }
-
-// One step of a set of costs: the split, the allreduce and what of it backward hides.
-struct Step {
-  BatchPlan plan;
-  double allreduce = 0.0;
-  double exposed = 0.0;
-  double backward = 0.0;  // the slowest rank's, which the buckets go out during
-  double slowestLinkBytesPerSecond = 0.0;
-  double seconds = 0.0;
-};
-
-// The bytes of the bucket backward fills last (the first layers' gradients): DDP's
-// buckets in reverse parameter order are a small first one, then full ones, and the
-// remainder last.
-double lastBucketBytes(double parameterBytes, const WhatIfSettings& s) {
-  const double rest = parameterBytes - std::min(parameterBytes, s.firstBucketBytes);
-  if (!(rest > 0)) {
-    return parameterBytes;
-  }
-  const double full = std::ceil(rest / s.bucketBytes) - 1.0;
-  return rest - full * s.bucketBytes;
-}
-
-// What the gradients put on the slowest link per step: the bytes, the share of them in
-// the last bucket (it cannot hide behind backward), and the compression's own compute.
-struct Traffic {
-  double wireBytes = 0.0;
-  double lastShare = 1.0;
-  double endShare = 0.0;  // sent only after backward (PowerSGD's Q round)
-  double computeSeconds = 0.0;
-};
-
-Traffic plainTraffic(double parameterBytes, const WhatIfSettings& s) {
-  Traffic t;
-  t.wireBytes = parameterBytes;
-  t.lastShare = parameterBytes > 0 ? lastBucketBytes(parameterBytes, s) / parameterBytes : 1.0;
-  return t;
-}
-
-Step stepFor(const std::vector<RankCost>& costs, const std::vector<int64_t>& local,
-             const Traffic& traffic, const WhatIfSettings& settings) {
-  Step s;
-  s.plan.local = local;
-  for (int64_t b : local) {
-    s.plan.global += b;
-  }
-  s.plan.predictedStepSeconds = predictedSeconds(costs, local);
-  for (const auto& c : costs) {
-    if (c.linkBytesPerSecond > 0) {
-      s.slowestLinkBytesPerSecond =
-          s.slowestLinkBytesPerSecond > 0
-              ? std::min(s.slowestLinkBytesPerSecond, c.linkBytesPerSecond)
-              : c.linkBytesPerSecond;
-    }
-  }
-  if (settings.allreduceGBps > 0) {
-    s.slowestLinkBytesPerSecond = settings.allreduceGBps * 1e9;
-  }
-  s.allreduce = ringAllreduceSeconds(traffic.wireBytes, static_cast<int>(costs.size()),
-                                     s.slowestLinkBytesPerSecond);
-  // The allreduce follows the slowest rank's backward: that is when its buckets fill.
-  size_t slowest = 0;
-  for (size_t i = 1; i < costs.size(); ++i) {
-    if (costs[i].predict(local[i]) > costs[slowest].predict(local[slowest])) {
-      slowest = i;
-    }
-  }
-  s.backward =
-      kBackwardShare * costs[slowest].secondsPerSample * static_cast<double>(local[slowest]);
-  s.exposed = exposedAllreduceSeconds(s.allreduce, s.backward, traffic.lastShare, traffic.endShare);
-  if (costs.size() > 1) {
-    s.exposed += traffic.computeSeconds;
-  }
-  s.seconds = s.plan.predictedStepSeconds + s.exposed;
-  return s;
-}
-
-Step solvedStep(const std::vector<RankCost>& costs, int64_t globalBatch, const Traffic& traffic,
-                const WhatIfSettings& settings) {
-  return stepFor(costs, solveSplit(costs, globalBatch).local, traffic, settings);
-}
-
-// The whole batch on one device, in micro-batches its memory holds (accumulation).
-double aloneSamplesPerSecond(const RankCost& c, int64_t globalBatch) {
-  if (c.maxSamples <= 0) {
-    return 0.0;
-  }
-  const int64_t microBatches =
-      c.maxSamples >= globalBatch ? 1 : (globalBatch + c.maxSamples - 1) / c.maxSamples;
-  const double seconds = static_cast<double>(microBatches) * c.fixedSeconds +
-                         static_cast<double>(globalBatch) * c.perSampleSeconds();
-  return static_cast<double>(globalBatch) / seconds;
-}
 
 const char* precisionName(AmpMode amp) { return amp == AmpMode::Off ? "fp32" : ampModeName(amp); }
 
@@ -202,82 +121,6 @@ std::vector<RankCost> whatIfCosts(const std::vector<MixEntry>& mix, const ModelP
   setCaps(costs, mix, p, s, shares);
   return costs;
 }
-
-namespace {
-
-// What WhatIfSettings::compression sends, priced on the mix (for "auto", each candidate
-// priced and chosen as the Trainer does); the choice is recorded in `r`.
-Traffic chooseTraffic(const std::vector<MixEntry>& mix, const std::vector<RankCost>& costs,
-                      const ModelProfile& p, const WhatIfSettings& s, WhatIfResult& r) {
-  // Under ZeRO the Trainer turns auto off: each bucket goes to its owner whole.
-  const bool choose = s.compression == "auto" && s.zero == 0;
-  std::vector<CompressionSpec> specs = choose
-                                           ? autoCandidates(p.amp)
-                                           : std::vector<CompressionSpec>{CompressionSpec::parse(
-                                                 s.zero > 0 ? "none" : s.compression, "what-if")};
-  GradientLayout layout;
-  layout.shapes = p.gradientShapes;
-  layout.firstBucketBytes = s.firstBucketBytes;
-  layout.bucketCapBytes = s.bucketBytes;
-  std::vector<CompressionCost> priced;
-  std::vector<Traffic> traffics;
-  LinkBudget link;
-  link.ranks = static_cast<int>(mix.size());
-  // The gradients: the shapes' bytes where the profile has them (frozen parameters have
-  // none), else every parameter's.
-  const double gradientBytes = p.gradientShapes.empty() ? p.parameterBytes : layout.bytes();
-  for (const auto& spec : specs) {
-    // One bucket model for every choice: the last bucket's share by bytes (above).
-    Traffic t = plainTraffic(gradientBytes, s);
-    CompressionCost c;
-    c.spec = spec;
-    c.wireBytes = gradientBytes;
-    // One allreduce per bucket: the first, then full ones and the remainder.
-    const double rest = gradientBytes - std::min(gradientBytes, s.firstBucketBytes);
-    c.messages = 1 + static_cast<int>(std::ceil(rest / s.bucketBytes));
-    if (spec.kind == CompressionSpec::Kind::Fp16 || spec.kind == CompressionSpec::Kind::Bf16) {
-      c.wireBytes = t.wireBytes = gradientBytes / 2.0;
-    } else if (spec.kind == CompressionSpec::Kind::PowerSgd) {
-      HDDP_CHECK_AS(ConfigError, !p.gradientShapes.empty(), "what-if: pricing PowerSGD needs ",
-                    "the gradients' shapes, and the profile of ", p.model,
-                    " has none (a profile saved before they were recorded): profile the model "
-                    "again (--model, or --save-profile to keep it)");
-      c = compressionTraffic(spec, layout);
-      t.wireBytes = c.wireBytes;
-      t.endShare = c.endShare;
-      // Its arithmetic at the products' share of each card's fp32 peak plus its passes
-      // over device memory; the slowest card of the mix holds the others up.
-      for (const auto& e : mix) {
-        t.computeSeconds =
-            std::max(t.computeSeconds, c.flops / (e.device.fp32Tflops * 1e12 * s.efficiency) +
-                                           c.memoryBytes / (e.device.memoryGBps * 1e9));
-      }
-    }
-    const Step step = solvedStep(costs, s.globalBatch, t, s);
-    c.allreduceSeconds = step.allreduce;
-    c.computeSeconds = mix.size() > 1 ? t.computeSeconds : 0.0;
-    c.exposedSeconds = step.exposed;
-    c.hidden = exposesLittle(c.exposedSeconds, step.backward);
-    link.bytesPerSecond = step.slowestLinkBytesPerSecond;
-    link.backwardSeconds = step.backward;
-    priced.push_back(c);
-    traffics.push_back(t);
-  }
-  const CompressionDecision d = chooseCompression(priced, link);
-  r.compression = d.chosen;
-  if (choose) {
-    r.compressionCandidates = d.candidates;
-    r.compressionWhy = d.why;
-  }
-  for (size_t k = 0; k < priced.size(); ++k) {
-    if (priced[k].spec.name() == d.chosen.spec.name()) {
-      return traffics[k];
-    }
-  }
-  return traffics.front();
-}
-
-}  // namespace
 
 WhatIfResult predictMix(const std::vector<MixEntry>& mix, const ModelProfile& p,
                         const WhatIfSettings& s, const DeviceTable& table) {

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -12,6 +13,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -32,10 +35,24 @@ struct Armed {
 
 thread_local Armed armed;
 
+// Collective faults, per rank for the whole process: DDP launches its buckets from the
+// autograd thread (a device's own thread on an accelerator), not the one that armed.
+struct RankCollectives {
+  std::vector<Fault> faults;
+  std::vector<bool> done;
+  int64_t launched = 0;
+};
+std::mutex collectivesMutex;
+std::map<int, RankCollectives>& collectives() {
+  static auto* byRank = new std::map<int, RankCollectives>();  // never destroyed: exit-safe
+  return *byRank;
+}
+std::atomic<size_t> ranksWithCollectiveFaults{0};
+
 constexpr const char* kGrammar =
     "KIND@POINT=N[,rank=R][,slot=S][,restart=K|*] entries separated by ';', KIND one of kill, "
     "raise, "
-    "hang, slow=SECONDS, nospace; POINT one of step, save";
+    "hang, slow=SECONDS, nospace; POINT one of step, save, collective";
 
 [[noreturn]] void bad(const std::string& entry, const std::string& what) {
   HDDP_THROW(ConfigError, "HDDP_FAULT entry '", entry, "': ", what, " (expected ", kGrammar, ")");
@@ -71,7 +88,17 @@ std::string trim(const std::string& s) {
   return b == std::string::npos ? "" : s.substr(b, e - b + 1);
 }
 
-const char* pointName(Point p) { return p == Point::Step ? "step" : "save"; }
+const char* pointName(Point p) {
+  switch (p) {
+    case Point::Step:
+      return "step";
+    case Point::Save:
+      return "save";
+    case Point::Collective:
+      return "collective";
+  }
+  return "?";
+}
 
 // With HDDP_FAULT_ONCE_DIR a fault acts once per job, whichever process meets it first:
 // a marker file named by the entry, created exclusively, says it has acted. (Without it,
@@ -176,6 +203,8 @@ std::vector<Fault> parse(const std::string& text) {
           f.point = Point::Step;
         } else if (name == "save") {
           f.point = Point::Save;
+        } else if (name == "collective") {
+          f.point = Point::Collective;
         } else {
           bad(entry, "unknown point '" + name + "'");
         }
@@ -201,8 +230,30 @@ std::vector<Fault> parse(const std::string& text) {
   return out;
 }
 
+namespace {
+
+// Keeps `rank`'s collective faults of `faults` (none: forgets the rank's).
+void setCollectives(int rank, const std::vector<Fault>& faults) {
+  RankCollectives mine;
+  for (const Fault& f : faults) {
+    if (f.point == Point::Collective) {
+      mine.faults.push_back(f);
+    }
+  }
+  mine.done.assign(mine.faults.size(), false);
+  std::lock_guard<std::mutex> lock(collectivesMutex);
+  if (mine.faults.empty()) {
+    collectives().erase(rank);
+  } else {
+    collectives()[rank] = std::move(mine);
+  }
+  ranksWithCollectiveFaults.store(collectives().size());
+}
+
+}  // namespace
+
 void arm(int rank, int restart, int slot) {
-  armed = Armed{};
+  disarm();
   armed.rank = rank;
   const auto text = env::lookup("HDDP_FAULT");
   if (!text || text->empty()) {
@@ -215,6 +266,7 @@ void arm(int rank, int restart, int slot) {
     }
   }
   armed.done.assign(armed.faults.size(), false);
+  setCollectives(rank, armed.faults);
   std::string list;
   for (const Fault& f : armed.faults) {
     list += (list.empty() ? "" : "; ") + f.text;
@@ -224,7 +276,12 @@ void arm(int rank, int restart, int slot) {
                 restart, " will meet ", armed.faults.empty() ? std::string("none of them") : list);
 }
 
-void disarm() { armed = Armed{}; }
+void disarm() {
+  if (armed.rank >= 0) {
+    setCollectives(armed.rank, {});
+  }
+  armed = Armed{};
+}
 
 void at(Point point, int64_t count) {
   for (size_t i = 0; i < armed.faults.size(); ++i) {
@@ -250,6 +307,45 @@ void beforeSave(const std::string& path) {
       act(f, "writing " + path + " on rank " + std::to_string(armed.rank));
     }
   }
+}
+
+void beforeCollective(int rank, const std::string& what) {
+  if (ranksWithCollectiveFaults.load() == 0) {
+    return;
+  }
+  Fault hit;
+  bool found = false;
+  int64_t count = 0;
+  {
+    std::lock_guard<std::mutex> lock(collectivesMutex);
+    const auto it = collectives().find(rank);
+    if (it == collectives().end()) {
+      return;
+    }
+    RankCollectives& mine = it->second;
+    count = ++mine.launched;
+    for (size_t i = 0; i < mine.faults.size() && !found; ++i) {
+      if (!mine.done[i] && mine.faults[i].at == count) {
+        mine.done[i] = true;
+        hit = mine.faults[i];
+        found = true;
+      }
+    }
+  }
+  if (!found) {
+    return;
+  }
+  std::ostringstream where;
+  where << "at collective " << count << " (" << what << ") on rank " << rank;
+  if (hit.kind == Kind::Raise) {
+    if (firstInJob(hit)) {
+      HDDP_LOG_WARN("fault", "injecting '", hit.text, "' (HDDP_FAULT) ", where.str());
+      HDDP_THROW(DistributedError, "collective failed: fault injected by HDDP_FAULT ('", hit.text,
+                 "') ", where.str(), "; nothing was sent");
+    }
+    return;
+  }
+  act(hit, where.str());
 }
 
 }  // namespace fault

@@ -1,5 +1,5 @@
 // Chaos on purpose (issue #49 part 4): an elastic job of 3 ranks (MIN 2) meets five
-// faults of mixed kinds through HDDP_FAULT (kills, a raised error, a rank that runs
+// faults of mixed kinds through HDDP_FAULT (kills, a failed collective, a rank that runs
 // slow), each in its own generation, and must end with exit code 0, every sample of
 // every epoch trained, the same steps as an undisturbed run, and the job record counting
 // the steps trained twice. Bounded by ctest's timeout; no speed is required.
@@ -24,13 +24,14 @@ std::string worker() { return HDDP_TEST_WORKER; }
 
 // The faults, each once per job (HDDP_FAULT_ONCE_DIR) in whichever generation reaches
 // its step with its slot in the group, so no generation number is pinned: slot 2 is
-// killed at step 20, slot 1 raises an error in step 50, slot 0 (rank 0, the commits'
+// killed at step 20, slot 1's 100th collective of a generation fails (a DDP bucket's
+// allreduce during backward, about 40 steps into it), slot 0 (rank 0, the commits'
 // writer) is killed at step 80, slot 1 runs 2 s slow in step 100 (no re-forming), slot
 // 2 is killed again at step 115. A slot that left is back at the next rejoin check
 // (`--rejoin-check true`, every 0.25 s), 30 steps before the next fault needs it.
 constexpr const char* kFaults =
     "kill@step=20,slot=2,restart=*;"
-    "raise@step=50,slot=1,restart=*;"
+    "raise@collective=100,slot=1,restart=*;"
     "kill@step=80,slot=0,restart=*;"
     "slow=2@step=100,slot=1,restart=*;"
     "kill@step=115,slot=2,restart=*";
@@ -51,9 +52,10 @@ TEST(Elastic, FiveFaultsOfMixedKindsLoseNoSampleAndTheRecordCountsTheRepeats) {
   ASSERT_EQ(r.exitCode, 0) << r.output;
   // Each fault was met (a killed rank's line may be cut off by the kill: counted by
   // its fault's text, logged before it acts).
-  for (const char* fault : {"'kill@step=20,slot=2,restart=*'", "'raise@step=50,slot=1,restart=*'",
-                            "'kill@step=80,slot=0,restart=*'", "'slow=2@step=100,slot=1,restart=*'",
-                            "'kill@step=115,slot=2,restart=*'"}) {
+  for (const char* fault :
+       {"'kill@step=20,slot=2,restart=*'", "'raise@collective=100,slot=1,restart=*'",
+        "'kill@step=80,slot=0,restart=*'", "'slow=2@step=100,slot=1,restart=*'",
+        "'kill@step=115,slot=2,restart=*'"}) {
     const size_t first = r.output.find(std::string("injecting ") + fault);
     EXPECT_NE(first, std::string::npos) << fault << " was not met:\n" << r.output;
     EXPECT_EQ(r.output.find(std::string("injecting ") + fault, first + 1), std::string::npos)

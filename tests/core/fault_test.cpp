@@ -10,8 +10,10 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/train/state_file.h"
 #include "support/ranks.h"
@@ -56,6 +58,8 @@ TEST(Fault, ABadEntryIsAConfigErrorThatSaysWhatIsWrong) {
   EXPECT_NE(configError("kill step=1").find("no '@'"), std::string::npos);
   EXPECT_NE(configError("kill@step").find("'step' is not NAME=VALUE"), std::string::npos);
   EXPECT_NE(configError("kill@epoch=2").find("unknown point 'epoch'"), std::string::npos);
+  EXPECT_EQ(hddp::fault::parse("hang@collective=7,rank=2")[0].point,
+            hddp::fault::Point::Collective);
   EXPECT_NE(configError("kill@step=0").find("points count from 1"), std::string::npos);
   EXPECT_NE(configError("kill@step=x").find("'x' is not a non-negative integer"),
             std::string::npos);
@@ -94,6 +98,42 @@ TEST(Fault, ActsOnItsRankAndAttemptAtItsCountOnce) {
   }
   EXPECT_NO_THROW(hddp::fault::at(hddp::fault::Point::Step, 2)) << "a fault acts once";
   hddp::fault::disarm();
+}
+
+// collective=N counts each rank's launches on any thread (DDP's buckets launch from the
+// autograd thread): rank 1's second collective, launched from a thread of its own, fails
+// with a DistributedError and sends nothing, so the next pair still meets.
+TEST(Fault, ACollectiveFaultFailsItsLaunchOnItsRankAndSendsNothing) {
+  hddp::testing::ScopedEnv fault("HDDP_FAULT", "raise@collective=2,rank=1");
+  std::vector<double> sums(2, 0);
+  std::string error;
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::fault::arm(rank, /*restart=*/0);
+    at::Tensor t = at::full({3}, rank + 1.0, at::kDouble);
+    comm->allreduce(t).wait();  // collective 1: 1 + 2
+    if (rank == 1) {
+      std::thread other([&] {
+        at::Tensor lost = at::ones({3}, at::kDouble);
+        try {
+          comm->allreduce(lost).wait();  // collective 2 of rank 1: fails
+        } catch (const hddp::DistributedError& e) {
+          error = e.what_without_backtrace();
+        }
+      });
+      other.join();
+    }
+    comm->allreduce(t).wait();  // 3 + 3: nothing of the failed one arrived
+    sums[static_cast<size_t>(rank)] = t[0].item<double>();
+    hddp::fault::disarm();
+  });
+  EXPECT_NE(error.find("collective failed: fault injected by HDDP_FAULT "
+                       "('raise@collective=2,rank=1') at collective 2 (allreduce"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("on rank 1/2) on rank 1; nothing was sent"), std::string::npos) << error;
+  EXPECT_EQ(sums[0], 6.0);
+  EXPECT_EQ(sums[1], 6.0);
 }
 
 hddp::TrainSummary run(int rank, int size, hddp::Store& store, const std::string& dir,

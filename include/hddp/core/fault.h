@@ -10,7 +10,10 @@
 //           save only)
 //   POINT   step=N (before the forward of the job's step N, 1-based, counted as the
 //           Trainer counts its steps), save=N (the N-th state file this rank writes
-//           since fit() began)
+//           since fit() began), collective=N (the N-th collective this rank launches
+//           since fit() began, on any of its communicators and from any thread: DDP's
+//           buckets launch from the autograd thread; raise fails the launch with a
+//           hddp::DistributedError and nothing is sent, as a lost connection would)
 //   rank=R  only on rank R (default: every rank)
 //   slot=S  only on the elastic job's slot S (hddp-run --nproc-per-node MIN:MAX; a
 //           slot keeps its number when the ranks are numbered again)
@@ -21,8 +24,9 @@
 // A fault acts once per process; with HDDP_FAULT_ONCE_DIR=DIR once per job: the first
 // process to meet it marks DIR/fault-<entry> (created exclusively) and later ones pass.
 //
-// Thread safety: the plan and the counts are per thread (the ranks of a test are threads
-// of one process); arm() on the thread that trains.
+// Thread safety: the plan and the counts of step and save are per thread (the ranks of a
+// test are threads of one process); arm() on the thread that trains. Collective faults
+// are kept per rank for the whole process (a collective may launch on another thread).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +37,7 @@ namespace hddp {
 namespace fault {
 
 enum class Kind { Kill, Raise, Hang, Slow, NoSpace };
-enum class Point { Step, Save };
+enum class Point { Step, Save, Collective };
 
 struct Fault {
   Kind kind = Kind::Raise;
@@ -64,6 +68,10 @@ void at(Point point, int64_t count);
 /// Save: counts this state file and throws a StateError "No space left on device" when
 /// a nospace fault is armed for it (other kinds act as at() does).
 void beforeSave(const std::string& path);
+/// A collective of `rank`'s communicator is about to launch (`what` describes it):
+/// counts it and acts on a collective fault armed for `rank` at that count (raise:
+/// a hddp::DistributedError). Costs one atomic load while no collective fault is armed.
+void beforeCollective(int rank, const std::string& what);
 
 }  // namespace fault
 }  // namespace hddp

@@ -43,7 +43,8 @@ std::vector<Variable> makeRegistry() {
       {"HDDP_FAULT",
        Type::String,
        "",
-       "Faults on purpose (tests, chaos runs): e.g. kill@step=5,rank=1;nospace@save=2 "
+       "Faults on purpose (tests, chaos runs): e.g. "
+       "kill@step=5,rank=1;nospace@save=2;raise@collective=40 "
        "(hddp/core/fault.h, docs/reliability.md); off when empty, logged when on.",
        {}},
       {"HDDP_FAULT_ONCE_DIR",

@@ -17,6 +17,7 @@
 #include "comm/round.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
+#include "hddp/core/fault.h"
 #include "hddp/core/logging.h"
 
 namespace hddp {
@@ -201,6 +202,7 @@ DistributedContext initFromEnv(const InitOptions& options) {
     opts.worldSize = info.worldSize;
     return Store::tcp(opts);
   };
+  fault::armStore(info.rank, info.jobRestarts, info.slot);  // HDDP_FAULT's store=N
   Store store = makeStore();
 
   // Every rank's device and wishes, so that all derive one backend (or one error) and

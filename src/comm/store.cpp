@@ -9,6 +9,7 @@
 #include "comm/loopback.h"
 #include "comm/store_impl.h"
 #include "hddp/core/error.h"
+#include "hddp/core/fault.h"
 #include "hddp/core/logging.h"
 
 namespace hddp {
@@ -23,6 +24,18 @@ std::string keyList(const std::vector<std::string>& keys) {
     out += ", ... (" + std::to_string(keys.size()) + " keys)";
   }
   return out;
+}
+
+// HDDP_FAULT's store=N point (hddp/core/fault.h): a dropped connection fails this
+// operation and every later one on the store.
+void faultPoint(Store::Impl& impl, const std::string& what) {
+  HDDP_CHECK_AS(StoreError, !impl.dropped->load(), what, " on ", impl.description,
+                " failed: the connection to the store dropped (fault injected by HDDP_FAULT)");
+  if (fault::beforeStoreOp(what)) {
+    impl.dropped->store(true);
+    HDDP_THROW(StoreError, what, " on ", impl.description,
+               " failed: the connection to the store dropped (fault injected by HDDP_FAULT)");
+  }
 }
 
 }  // namespace
@@ -104,10 +117,12 @@ Store Store::withPrefix(const std::string& prefix) const {
   impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
   impl->port = impl_->port;
   impl->description = impl_->description + " prefix '" + prefix + "'";
+  impl->dropped = impl_->dropped;
   return Store(std::move(impl));
 }
 
 void Store::set(const std::string& key, const std::vector<uint8_t>& value) {
+  faultPoint(*impl_, "store set('" + key + "')");
   try {
     impl_->store->set(key, value);
   } catch (...) {
@@ -121,6 +136,7 @@ void Store::set(const std::string& key, const std::string& value) {
 }
 
 std::vector<uint8_t> Store::get(const std::string& key) {
+  faultPoint(*impl_, "store get('" + key + "')");
   try {
     return impl_->store->get(key);
   } catch (...) {
@@ -135,6 +151,7 @@ std::string Store::getString(const std::string& key) {
 }
 
 int64_t Store::add(const std::string& key, int64_t delta) {
+  faultPoint(*impl_, "store add('" + key + "')");
   try {
     return impl_->store->add(key, delta);
   } catch (...) {
@@ -144,6 +161,7 @@ int64_t Store::add(const std::string& key, int64_t delta) {
 }
 
 void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  faultPoint(*impl_, "store wait(" + keyList(keys) + ")");
   try {
     impl_->store->wait(keys, timeout);
   } catch (...) {
@@ -155,6 +173,7 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
 void Store::wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
 
 bool Store::check(const std::vector<std::string>& keys) {
+  faultPoint(*impl_, "store check(" + keyList(keys) + ")");
   try {
     return impl_->store->check(keys);
   } catch (...) {
@@ -164,6 +183,7 @@ bool Store::check(const std::vector<std::string>& keys) {
 }
 
 bool Store::deleteKey(const std::string& key) {
+  faultPoint(*impl_, "store delete('" + key + "')");
   try {
     return impl_->store->deleteKey(key);
   } catch (...) {

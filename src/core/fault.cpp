@@ -34,6 +34,7 @@ struct Armed {
 };
 
 thread_local Armed armed;
+thread_local Armed storeArmed;  // Point::Store's faults; `saves` counts the operations
 
 // Collective faults, per rank for the whole process: DDP launches its buckets from the
 // autograd thread (a device's own thread on an accelerator), not the one that armed.
@@ -52,7 +53,7 @@ std::atomic<size_t> ranksWithCollectiveFaults{0};
 constexpr const char* kGrammar =
     "KIND@POINT=N[,rank=R][,slot=S][,restart=K|*] entries separated by ';', KIND one of kill, "
     "raise, "
-    "hang, slow=SECONDS, nospace; POINT one of step, save, collective";
+    "hang, slow=SECONDS, nospace, drop; POINT one of step, save, collective, store";
 
 [[noreturn]] void bad(const std::string& entry, const std::string& what) {
   HDDP_THROW(ConfigError, "HDDP_FAULT entry '", entry, "': ", what, " (expected ", kGrammar, ")");
@@ -96,6 +97,8 @@ const char* pointName(Point p) {
       return "save";
     case Point::Collective:
       return "collective";
+    case Point::Store:
+      return "store";
   }
   return "?";
 }
@@ -145,6 +148,8 @@ void act(const Fault& f, const std::string& where) {
     case Kind::NoSpace:
       HDDP_THROW(StateError, "No space left on device (fault injected by HDDP_FAULT, '", f.text,
                  "') ", where);
+    case Kind::Drop:
+      break;  // the store marks itself dropped (beforeStoreOp)
   }
 }
 
@@ -172,6 +177,8 @@ std::vector<Fault> parse(const std::string& text) {
       f.kind = Kind::Hang;
     } else if (kind == "nospace") {
       f.kind = Kind::NoSpace;
+    } else if (kind == "drop") {
+      f.kind = Kind::Drop;
     } else if (kind.rfind("slow=", 0) == 0) {
       f.kind = Kind::Slow;
       try {
@@ -205,6 +212,8 @@ std::vector<Fault> parse(const std::string& text) {
           f.point = Point::Save;
         } else if (name == "collective") {
           f.point = Point::Collective;
+        } else if (name == "store") {
+          f.point = Point::Store;
         } else {
           bad(entry, "unknown point '" + name + "'");
         }
@@ -224,6 +233,9 @@ std::vector<Fault> parse(const std::string& text) {
     }
     if (f.kind == Kind::NoSpace && f.point != Point::Save) {
       bad(entry, "nospace applies to save only");
+    }
+    if (f.kind == Kind::Drop && f.point != Point::Store) {
+      bad(entry, "drop applies to store only");
     }
     out.push_back(f);
   }
@@ -346,6 +358,52 @@ void beforeCollective(int rank, const std::string& what) {
     return;
   }
   act(hit, where.str());
+}
+
+void armStore(int rank, int restart, int slot) {
+  storeArmed = Armed{};
+  storeArmed.rank = rank;
+  const auto text = env::lookup("HDDP_FAULT");
+  if (!text || text->empty()) {
+    return;
+  }
+  for (const Fault& f : parse(*text)) {
+    if (f.point == Point::Store && (f.rank < 0 || f.rank == rank) &&
+        (f.slot < 0 || f.slot == slot) && (f.restart < 0 || f.restart == restart)) {
+      storeArmed.faults.push_back(f);
+    }
+  }
+  storeArmed.done.assign(storeArmed.faults.size(), false);
+  if (!storeArmed.faults.empty()) {
+    HDDP_LOG_WARN("fault", "fault injection is on (HDDP_FAULT=", *text, "): rank ", rank,
+                  " in attempt ", restart, " has ", storeArmed.faults.size(),
+                  " store fault(s) armed");
+  }
+}
+
+bool beforeStoreOp(const std::string& what) {
+  if (storeArmed.faults.empty()) {
+    return false;
+  }
+  const int64_t count = ++storeArmed.saves;
+  for (size_t i = 0; i < storeArmed.faults.size(); ++i) {
+    const Fault& f = storeArmed.faults[i];
+    if (storeArmed.done[i] || f.at != count) {
+      continue;
+    }
+    storeArmed.done[i] = true;
+    const std::string where = "at store operation " + std::to_string(count) + " (" + what +
+                              ") on rank " + std::to_string(storeArmed.rank);
+    if (f.kind == Kind::Drop) {
+      if (!firstInJob(f)) {
+        return false;
+      }
+      HDDP_LOG_WARN("fault", "injecting '", f.text, "' (HDDP_FAULT) ", where);
+      return true;
+    }
+    act(f, where);
+  }
+  return false;
 }
 
 }  // namespace fault

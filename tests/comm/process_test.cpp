@@ -283,6 +283,22 @@ TEST(HddpRun, RestartsTheGroupWithIncrementedRestartCount) {
   EXPECT_NE(r.output.find("sum=2 restart=1"), std::string::npos) << r.output;
 }
 
+// A store connection that drops while rank 1 joins (HDDP_FAULT drop@store=2, the first
+// attempt only): rank 1 fails with a StoreError, hddp-run restarts the group, and the
+// second attempt joins and sums.
+TEST(HddpRun, ADroppedStoreConnectionAtTheRendezvousIsSurvivedByARestart) {
+  auto r = runCommand("HDDP_FAULT='drop@store=2,rank=1' " + launcher() +
+                      " --nproc-per-node 2 --max-restarts 1 --grace-period 2 -- " + worker() +
+                      " allreduce");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("injecting 'drop@store=2,rank=1' (HDDP_FAULT) at store operation 2"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("the connection to the store dropped"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting the group"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sum=2 restart=1"), std::string::npos) << r.output;
+}
+
 TEST(HddpRun, MissingProgramIsAUsageError) {
   auto r = runCommand(launcher() + " --nproc-per-node 2");
   EXPECT_EQ(r.exitCode, 2) << r.output;

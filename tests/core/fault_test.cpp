@@ -9,11 +9,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/store.h"
 #include "hddp/core/error.h"
 #include "hddp/train/state_file.h"
 #include "support/ranks.h"
@@ -134,6 +136,38 @@ TEST(Fault, ACollectiveFaultFailsItsLaunchOnItsRankAndSendsNothing) {
   EXPECT_NE(error.find("on rank 1/2) on rank 1; nothing was sent"), std::string::npos) << error;
   EXPECT_EQ(sums[0], 6.0);
   EXPECT_EQ(sums[1], 6.0);
+}
+
+// drop@store=N: the connection to the store drops at the N-th operation; that one and
+// every later one fail with a StoreError, on a store made from it by withPrefix too.
+TEST(Fault, ADroppedStoreFailsItsOperationsFromThenOn) {
+  auto fault = std::make_unique<hddp::testing::ScopedEnv>("HDDP_FAULT", "drop@store=3,rank=1");
+  hddp::fault::armStore(/*rank=*/0, /*restart=*/0);
+  auto other = hddp::Store::memory();
+  other.set("a", std::string("1"));
+  other.set("b", std::string("2"));
+  EXPECT_EQ(other.getString("a"), "1") << "another rank's store does not drop";
+  hddp::fault::armStore(1, 0);
+  auto store = hddp::Store::memory();
+  auto prefixed = store.withPrefix("p/");
+  store.set("a", std::string("1"));
+  EXPECT_EQ(store.getString("a"), "1");
+  std::string error;
+  try {
+    store.add("n", 1);
+    ADD_FAILURE() << "the third operation did not fail";
+  } catch (const hddp::StoreError& e) {
+    error = e.what_without_backtrace();
+  }
+  EXPECT_NE(error.find("store add('n') on in-memory store failed: the connection to the store "
+                       "dropped (fault injected by HDDP_FAULT)"),
+            std::string::npos)
+      << error;
+  EXPECT_THROW(store.getString("a"), hddp::StoreError) << "a dropped store stays dropped";
+  EXPECT_THROW(prefixed.set("x", std::string("1")), hddp::StoreError);
+  EXPECT_NE(configError("drop@step=3").find("drop applies to store only"), std::string::npos);
+  fault.reset();
+  hddp::fault::armStore(1, 0);  // HDDP_FAULT unset: nothing armed on this thread
 }
 
 hddp::TrainSummary run(int rank, int size, hddp::Store& store, const std::string& dir,

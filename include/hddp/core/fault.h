@@ -7,13 +7,16 @@
 // Each entry is KIND@POINT=N with optional filters, entries separated by ';':
 //   KIND    kill (SIGKILL itself), raise (throws hddp::Error), hang (sleeps until killed),
 //           slow=SECONDS (sleeps, then goes on), nospace (a save fails as on a full disk;
-//           save only)
+//           save only), drop (the connection to the store drops: this operation and
+//           every later one on that store fail with a hddp::StoreError; store only)
 //   POINT   step=N (before the forward of the job's step N, 1-based, counted as the
 //           Trainer counts its steps), save=N (the N-th state file this rank writes
 //           since fit() began), collective=N (the N-th collective this rank launches
 //           since fit() began, on any of its communicators and from any thread: DDP's
 //           buckets launch from the autograd thread; raise fails the launch with a
-//           hddp::DistributedError and nothing is sent, as a lost connection would)
+//           hddp::DistributedError and nothing is sent, as a lost connection would),
+//           store=N (the N-th operation on a store by this process's rank when it joins
+//           the job, hddp::initFromEnv: the rendezvous and the exchange of devices)
 //   rank=R  only on rank R (default: every rank)
 //   slot=S  only on the elastic job's slot S (hddp-run --nproc-per-node MIN:MAX; a
 //           slot keeps its number when the ranks are numbered again)
@@ -36,8 +39,8 @@
 namespace hddp {
 namespace fault {
 
-enum class Kind { Kill, Raise, Hang, Slow, NoSpace };
-enum class Point { Step, Save, Collective };
+enum class Kind { Kill, Raise, Hang, Slow, NoSpace, Drop };
+enum class Point { Step, Save, Collective, Store };
 
 struct Fault {
   Kind kind = Kind::Raise;
@@ -68,6 +71,14 @@ void at(Point point, int64_t count);
 /// Save: counts this state file and throws a StateError "No space left on device" when
 /// a nospace fault is armed for it (other kinds act as at() does).
 void beforeSave(const std::string& path);
+/// Keeps, for this thread, the store faults meant for `rank` (`slot`, `restart`: as
+/// arm()); hddp::initFromEnv calls it before it opens the job's store. Resets the count.
+void armStore(int rank, int restart, int slot = -1);
+/// A store operation (`what` describes it) on this thread: counts it and acts on a
+/// store fault armed for that count. Returns true when a drop acted: the caller marks
+/// its store dropped and fails this operation and every later one.
+bool beforeStoreOp(const std::string& what);
+
 /// A collective of `rank`'s communicator is about to launch (`what` describes it):
 /// counts it and acts on a collective fault armed for `rank` at that count (raise:
 /// a hddp::DistributedError). Costs one atomic load while no collective fault is armed.

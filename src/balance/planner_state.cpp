@@ -92,6 +92,17 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
   const at::Tensor plan = readEntry(shared, "plan");
   state.plan.local.assign(plan.data_ptr<int64_t>(), plan.data_ptr<int64_t>() + plan.numel());
   state.plan.global = options_.globalBatch;
+  // Each rank's loader takes its share as a batch size: a share beyond the global batch
+  // (one negative beside it) would have it allocate that many samples.
+  int64_t sum = 0;
+  bool split = true;
+  for (const int64_t b : state.plan.local) {
+    split = split && b >= 0 && b <= options_.globalBatch;
+    sum += split ? b : 0;
+  }
+  HDDP_CHECK_AS(StateError, split && sum == options_.globalBatch, "the planner's saved plan ",
+                c10::IntArrayRef(state.plan.local), " does not split the global batch of ",
+                options_.globalBatch, " (the state file is damaged or not hddp's)");
   const at::Tensor step = readEntry(shared, "step");
   HDDP_CHECK_AS(StateError, step.numel() == 1, "the planner's state has a malformed step");
   state.step = step.item<int64_t>();

@@ -97,8 +97,11 @@ at::Tensor readIdx(const std::string& path) {
                 ": IDX header claims ", dims, " dimensions");
   // Each dimension is below 2^32 and the file holds every element, so a product above
   // the file's size is refused before it can overflow.
+  // Beside a 0, the other dimensions still make the tensor's strides: their product
+  // (LibTorch's, each at least 1) must stay within int64 too.
   std::vector<int64_t> shape;
   int64_t count = 1;
+  int64_t span = 1;
   for (int d = 0; d < dims; ++d) {
     shape.push_back(bigEndian32(&bytes[4 + 4 * d]));
     if (shape.back() != 0 && count > static_cast<int64_t>(bytes.size()) / shape.back()) {
@@ -106,6 +109,10 @@ at::Tensor readIdx(const std::string& path) {
                  bytes.size(), " bytes can hold");
     }
     count *= shape.back();
+    const int64_t extent = std::max<int64_t>(shape.back(), 1);
+    HDDP_CHECK_AS(DataError, span <= (int64_t{1} << 62) / extent, path, ": its IDX header's shape ",
+                  c10::IntArrayRef(shape), "... spans more than 2^62 elements");
+    span *= extent;
   }
   at::ScalarType dtype;
   size_t width = 1;

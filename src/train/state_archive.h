@@ -7,6 +7,7 @@
 #include <torch/serialize/archive.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,13 @@ using torch::serialize::OutputArchive;
 std::string archiveBytes(OutputArchive& archive);
 at::Tensor bytesTensor(const std::vector<uint8_t>& bytes);
 std::string tensorBytes(const at::Tensor& t);
+/// `into` read from `bytes`, an archive from outside (a state file's payload or an archive
+/// inside it) that `what` names ("state file /x/state-00000010.hddp"): checked first
+/// (train/archive_check.h), so that LibTorch allocates only what the bytes hold, and
+/// LibTorch's own complaints as a StateError beginning with `what` too. `device`: where
+/// its tensors go (nullopt: the devices the archive names).
+void loadArchive(InputArchive& into, const std::string& bytes, const std::string& what,
+                 std::optional<c10::Device> device);
 /// The tensor `key` of `archive`; StateError naming `path` when it has none.
 at::Tensor readTensor(InputArchive& archive, const std::string& key, const std::string& path);
 /// The archive `key` of `archive`; StateError naming `path` when it has none.

@@ -67,6 +67,33 @@ std::string bytesText(std::optional<uint64_t> bytes) {
   return bytes ? std::to_string(*bytes) + " bytes" : "more than 2^64 bytes (or a negative size)";
 }
 
+bool viewFitsStorage(c10::ArrayRef<int64_t> sizes, c10::ArrayRef<int64_t> strides, int64_t offset,
+                     uint64_t held) {
+  if (offset < 0 || sizes.size() != strides.size()) {
+    return false;
+  }
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] < 0 || strides[d] < 0) {
+      return false;
+    }
+  }
+  // offset + sum((size - 1) * stride) < held, and no more elements than held.
+  const auto elements = tensorBytes(sizes, 1);
+  bool fits = elements && *elements <= held;
+  if (fits && *elements > 0) {
+    uint64_t last = static_cast<uint64_t>(offset);
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      uint64_t step = 0;
+      fits = fits &&
+             !c10::mul_overflows(static_cast<uint64_t>(sizes[d] - 1),
+                                 static_cast<uint64_t>(strides[d]), &step) &&
+             !c10::add_overflows(last, step, &last);
+    }
+    fits = fits && last < held;
+  }
+  return fits;
+}
+
 namespace {
 
 using Value = PickleValue;
@@ -90,23 +117,10 @@ class TensorReader {
     HDDP_CHECK_AS(StateError, valid, "state dict ", path_, ": '", key, "' has size ", sizes,
                   ", stride ", strides, " and storage offset ", value.offset,
                   "; negative ones are no tensor torch.save writes");
-    // Within the storage: offset + sum((size - 1) * stride) < its elements, and no more
-    // elements than it holds (an expanded view, stride 0, is refused: it would be the
-    // caller's copy that allocates the claimed size).
-    const auto elements = tensorBytes(sizes, 1);
+    // Within the storage, and no more elements than it holds (an expanded view, stride 0,
+    // is refused: it would be the caller's copy that allocates the claimed size).
     const auto held = static_cast<uint64_t>(value.i);
-    bool fits = elements && *elements <= held;
-    if (fits && *elements > 0) {
-      uint64_t last = static_cast<uint64_t>(value.offset);
-      for (size_t d = 0; d < sizes.size(); ++d) {
-        uint64_t step = 0;
-        fits = fits &&
-               !c10::mul_overflows(static_cast<uint64_t>(sizes[d] - 1),
-                                   static_cast<uint64_t>(strides[d]), &step) &&
-               !c10::add_overflows(last, step, &last);
-      }
-      fits = fits && last < held;
-    }
+    const bool fits = viewFitsStorage(sizes, strides, value.offset, held);
     const size_t elementSize = c10::elementSize(value.dtype);
     HDDP_CHECK_AS(StateError, fits, "state dict ", path_, ": '", key, "' claims ",
                   bytesText(tensorBytes(sizes, elementSize)), " (size ", sizes, ", stride ",
@@ -154,7 +168,7 @@ class TensorReader {
 
 std::vector<std::pair<std::string, at::Tensor>> torchLoadBytes(const std::string& bytes,
                                                                const std::string& path) {
-  checkZipEntrySizes(bytes, path);  // before LibTorch's reader allocates any entry
+  checkZipEntrySizes(bytes, "state dict " + path);  // before LibTorch's reader allocates any entry
   std::istringstream in(bytes);
   try {
     caffe2::serialize::PyTorchStreamReader archive(&in);

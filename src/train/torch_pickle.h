@@ -23,12 +23,20 @@ const std::vector<std::pair<std::string, at::ScalarType>>& torchStorageTypes();
 std::optional<uint64_t> tensorBytes(c10::ArrayRef<int64_t> sizes, size_t elementSize);
 /// "N bytes", or what a nullopt from tensorBytes means, for messages.
 std::string bytesText(std::optional<uint64_t> bytes);
+/// Whether a view of `sizes` and `strides` (as many) at element `offset` of a storage of
+/// `held` elements lies within it and takes no more elements than it holds: nothing
+/// negative, offset + sum((size - 1) * stride) < held without overflow. An expanded view
+/// (stride 0) of more elements than the storage is refused: whoever copies it allocates
+/// its claimed size.
+bool viewFitsStorage(c10::ArrayRef<int64_t> sizes, c10::ArrayRef<int64_t> strides, int64_t offset,
+                     uint64_t held);
 
-/// hddp::StateError naming `path` unless `bytes` ends with a zip directory whose every
-/// entry claims no more bytes (compressed or not) than the whole file: LibTorch's zip
-/// reader allocates an entry's claimed size before reading it, starting in its
-/// constructor. torch.save stores entries uncompressed, so no real file is refused.
-void checkZipEntrySizes(const std::string& bytes, const std::string& path);
+/// hddp::StateError beginning with `what` ("state dict /x/model.pt") unless `bytes` ends
+/// with a zip directory whose every entry claims no more bytes (compressed or not) than
+/// the whole file: LibTorch's zip reader allocates an entry's claimed size before reading
+/// it, starting in its constructor. torch.save stores entries uncompressed, and LibTorch's
+/// archives compress only their small code files, so no real file is refused.
+void checkZipEntrySizes(const std::string& bytes, const std::string& what);
 
 /// The bytes torch.save(OrderedDict(tensors), f) would write (a zip archive with a
 /// protocol-2 pickle): torch.load(f, weights_only=True) returns the dict.

@@ -1,7 +1,7 @@
-// A torch.save file's zip entries checked against its size (train/torch_pickle.h), before
-// LibTorch's zip reader (caffe2::serialize::PyTorchStreamReader over miniz) allocates
-// each entry at the size its directory claims: the reader's constructor already reads
-// the "version" entry that way, before hddp sees a name. Only the directory is read here
+// A torch.save file's or a LibTorch archive's zip entries checked against its size
+// (train/torch_pickle.h), before LibTorch's zip reader (caffe2::serialize::PyTorchStreamReader over
+// miniz) allocates each entry at the size its directory claims: the reader's constructor already
+// reads the "version" entry that way, before hddp sees a name. Only the directory is read here
 // (APPNOTE.TXT 4.3.12-4.3.16, with zip64's records and extra field for large files);
 // miniz still checks the rest.
 #include <cstdint>
@@ -31,7 +31,7 @@ uint64_t field(const std::string& b, uint64_t at, int n) {
 
 }  // namespace
 
-void checkZipEntrySizes(const std::string& bytes, const std::string& path) {
+void checkZipEntrySizes(const std::string& bytes, const std::string& what) {
   const uint64_t size = bytes.size();
   // The end-of-directory record: 22 bytes and a comment of up to 65535, at the very end.
   uint64_t end = size;
@@ -44,33 +44,34 @@ void checkZipEntrySizes(const std::string& bytes, const std::string& path) {
       }
     }
   }
-  HDDP_CHECK_AS(StateError, end < size, "state dict ", path,
-                " is not a torch.save file: it does not end with a zip directory");
+  HDDP_CHECK_AS(StateError, end < size, what,
+                " holds no readable archive: it does not end with a zip directory (torch.save "
+                "and LibTorch write zip files)");
   uint64_t dirSize = field(bytes, end + 12, 4);
   uint64_t dirOffset = field(bytes, end + 16, 4);
   if (end >= 20 && field(bytes, end - 20, 4) == kZip64Locator) {
     const uint64_t at = field(bytes, end - 20 + 8, 8);
     HDDP_CHECK_AS(StateError,
                   size >= 56 && at <= size - 56 && field(bytes, at, 4) == kZip64EndOfDirectory,
-                  "state dict ", path, ": its zip64 directory record (at byte ", at,
-                  ") lies outside the file's ", size, " bytes");
+                  what, ": its zip64 directory record (at byte ", at, ") lies outside the file's ",
+                  size, " bytes");
     dirSize = field(bytes, at + 40, 8);
     dirOffset = field(bytes, at + 48, 8);
   }
-  HDDP_CHECK_AS(StateError, dirOffset <= size && dirSize <= size - dirOffset, "state dict ", path,
+  HDDP_CHECK_AS(StateError, dirOffset <= size && dirSize <= size - dirOffset, what,
                 ": its zip directory (", dirSize, " bytes at byte ", dirOffset,
                 ") lies outside the file's ", size, " bytes");
   const uint64_t dirEnd = dirOffset + dirSize;
   for (uint64_t at = dirOffset; at < dirEnd;) {
-    HDDP_CHECK_AS(StateError, dirEnd - at >= 46 && field(bytes, at, 4) == kDirectoryEntry,
-                  "state dict ", path, ": its zip directory is malformed at byte ", at);
+    HDDP_CHECK_AS(StateError, dirEnd - at >= 46 && field(bytes, at, 4) == kDirectoryEntry, what,
+                  ": its zip directory is malformed at byte ", at);
     uint64_t compressed = field(bytes, at + 20, 4);
     uint64_t uncompressed = field(bytes, at + 24, 4);
     const uint64_t nameEnd = at + 46 + field(bytes, at + 28, 2);
     const uint64_t extraEnd = nameEnd + field(bytes, at + 30, 2);
     const uint64_t next = extraEnd + field(bytes, at + 32, 2);
-    HDDP_CHECK_AS(StateError, next <= dirEnd, "state dict ", path,
-                  ": its zip directory is malformed at byte ", at);
+    HDDP_CHECK_AS(StateError, next <= dirEnd, what, ": its zip directory is malformed at byte ",
+                  at);
     // zip64 sizes: extra field 1 holds the uncompressed, then the compressed size, each
     // only where the 32-bit field above is all ones.
     for (uint64_t e = nameEnd; extraEnd - e >= 4;) {
@@ -89,13 +90,13 @@ void checkZipEntrySizes(const std::string& bytes, const std::string& path) {
       }
       e = dataEnd;
     }
-    const std::string name = bytes.substr(static_cast<size_t>(at + 46),
-                                          static_cast<size_t>(nameEnd - at - 46));
-    HDDP_CHECK_AS(StateError, uncompressed <= size && compressed <= size, "state dict ", path,
-                  ": its zip entry ", name, " claims ", uncompressed, " bytes (", compressed,
+    const std::string name =
+        bytes.substr(static_cast<size_t>(at + 46), static_cast<size_t>(nameEnd - at - 46));
+    HDDP_CHECK_AS(StateError, uncompressed <= size && compressed <= size, what, ": its zip entry ",
+                  name, " claims ", uncompressed, " bytes (", compressed,
                   " stored), more than the whole file's ", size,
-                  ". torch.save stores its entries uncompressed: the file is damaged or not "
-                  "torch.save's");
+                  ". torch.save and LibTorch store their data uncompressed: the file is damaged "
+                  "or written by another program");
     at = next;
   }
 }

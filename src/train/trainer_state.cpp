@@ -22,6 +22,7 @@
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/train/state_file.h"
+#include "train/archive_check.h"
 #include "train/commit_folders.h"
 #include "train/elastic.h"
 #include "train/state_archive.h"
@@ -46,6 +47,20 @@ at::Tensor bytesTensor(const std::vector<uint8_t>& bytes) {
 std::string tensorBytes(const at::Tensor& t) {
   at::Tensor c = t.contiguous().to(at::kByte);
   return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
+}
+
+void loadArchive(InputArchive& into, const std::string& bytes, const std::string& what,
+                 std::optional<c10::Device> device) {
+  checkTorchArchive(bytes, what);
+  try {
+    into.load_from(bytes.data(), bytes.size(), device);
+  } catch (const c10::Error& e) {
+    HDDP_THROW(StateError, what, " holds no readable archive (", e.what_without_backtrace(),
+               "); resume from an earlier state file");
+  } catch (const std::exception& e) {  // TorchScript's parser throws std::runtime_error
+    HDDP_THROW(StateError, what, " holds no readable archive (", e.what(),
+               "); resume from an earlier state file");
+  }
 }
 
 at::Tensor readTensor(InputArchive& archive, const std::string& key, const std::string& path) {

@@ -21,6 +21,7 @@
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/train/state_file.h"
+#include "train/archive_check.h"
 #include "train/commit_folders.h"
 #include "train/elastic.h"
 #include "train/state_archive.h"
@@ -31,9 +32,10 @@ namespace train {
 namespace {
 
 InputArchive savedBlob(InputArchive& file, int64_t index, const std::string& path) {
-  const std::string bytes = tensorBytes(readTensor(file, "rank" + std::to_string(index), path));
+  const std::string key = "rank" + std::to_string(index);
+  const std::string bytes = tensorBytes(readTensor(file, key, path));
   InputArchive blob;
-  blob.load_from(bytes.data(), bytes.size());
+  loadArchive(blob, bytes, "state file " + path + ": its '" + key + "'", std::nullopt);
   return blob;
 }
 
@@ -217,8 +219,13 @@ void loadModelAndOptimizer(const StateParts& parts, InputArchive& archive,
       for (int64_t r = 0; r < count.item<int64_t>(); ++r) {
         at::Tensor bytes;
         zero.read("part" + std::to_string(r), bytes);
-        const auto* data = bytes.data_ptr<uint8_t>();
-        optimizerParts.emplace_back(data, data + bytes.numel());
+        HDDP_CHECK_AS(StateError, bytes.scalar_type() == at::kByte, "state file ", path,
+                      ": its ZeRO optimizer part ", r, " is no byte tensor");
+        const std::string part = tensorBytes(bytes);
+        // Each part is an archive that ShardedOptimizer::loadShards hands to LibTorch.
+        checkTorchArchive(part,
+                          "state file " + path + ": its ZeRO optimizer part " + std::to_string(r));
+        optimizerParts.emplace_back(part.begin(), part.end());
       }
       parts.sharded->loadShards(optimizerParts);
     } else {
@@ -307,7 +314,7 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     if (!options.onlyRunId.empty()) {
       ofThisJob = [&options](const std::string& bytes) {
         InputArchive file;
-        file.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
+        loadArchive(file, bytes, "state file", c10::Device(c10::kCPU));
         at::Tensor id;
         return file.try_read("run_id", id) && tensorBytes(id) == options.onlyRunId;
       };
@@ -316,7 +323,7 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     // told apart by the id every writer wrote (files without one, by their bytes).
     const auto commitId = [](const std::string& bytes) -> uint64_t {
       InputArchive file;
-      file.load_from(bytes.data(), bytes.size(), c10::Device(c10::kCPU));
+      loadArchive(file, bytes, "state file", c10::Device(c10::kCPU));
       at::Tensor id;
       if (file.try_read("commit_id", id) && id.numel() == 1 && id.scalar_type() == at::kLong) {
         return static_cast<uint64_t>(id.item<int64_t>());
@@ -350,30 +357,30 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
       }
     // Every tensor onto the host first: the file holds rank 0's optimizer state on rank
     // 0's device (cuda:0, emu:0), which this rank may not have or not use.
+    // Checked before LibTorch reads it (its unpickler believes the sizes in the bytes);
     // LibTorch's own errors (a payload that is no archive, code that does not parse) as a
     // StateError naming the file, which the others learn too.
-    try {
-      archive.load_from(payload.data(), payload.size(), c10::Device(c10::kCPU));
-    } catch (const c10::Error& e) {
-      HDDP_THROW(StateError, "state file ", path, " holds no readable archive (",
-                 e.what_without_backtrace(), "); resume from an earlier state file");
-    } catch (const std::exception& e) {
-      HDDP_THROW(StateError, "state file ", path, " holds no readable archive (", e.what(),
-                 "); resume from an earlier state file");
-    }
+    loadArchive(archive, payload, "state file " + path, c10::Device(c10::kCPU));
     loaded.meta = decode(readTensor(archive, "meta", path), path);
     at::Tensor progress;
     if (archive.try_read("progress", progress) && progress.numel() == 7) {
       const at::Tensor p = progress.to(at::kDouble).contiguous();
       const double* v = p.data_ptr<double>();
+      // A count beyond int64 would be converted out of range (undefined behaviour).
+      const auto count = [&path](double x) {
+        HDDP_CHECK_AS(StateError, x >= -9.0e18 && x <= 9.0e18, "state file ", path,
+                      ": its progress record holds a count of ", x,
+                      "; resume from an earlier state file");
+        return static_cast<int64_t>(x);
+      };
       StateMeta::Progress& g = loaded.meta.progress;
       g.epochLossSum = v[0];
-      g.epochSamples = static_cast<int64_t>(v[1]);
-      g.epochSteps = static_cast<int64_t>(v[2]);
+      g.epochSamples = count(v[1]);
+      g.epochSteps = count(v[2]);
       g.budgetSeconds = v[3];
       g.budgetEvaluationSeconds = v[4];
-      g.budgetStartStep = static_cast<int64_t>(v[5]);
-      g.budgetSteps = static_cast<int64_t>(v[6]);
+      g.budgetStartStep = count(v[5]);
+      g.budgetSteps = count(v[6]);
       g.present = true;
     }
     HDDP_CHECK_AS(StateError, loaded.meta.globalBatch == globalBatch, "state file ", path,

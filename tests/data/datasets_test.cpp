@@ -199,6 +199,33 @@ TEST(Datasets, ImageFolderDecodesResizesAndLabelsBySubfolder) {
   EXPECT_NE(errorOf([&] { withBroken.get(1, rng); }).find("broken.png"), std::string::npos);
 }
 
+// decodeImage refuses, before decoding, an image over its ImageLimits and one claiming
+// more pixels than its bytes can describe (stb_image would allocate and fill them); the
+// same image within both decodes.
+TEST(Datasets, DecodeImageRefusesClaimsBeyondItsLimitsOrBytes) {
+  const std::string dir = hddp::testing::makeTempDir();
+  std::vector<uint8_t> rgb(20 * 10 * 3, 200);
+  const std::string png = dir + "/a.png";
+  ASSERT_TRUE(stbi_write_png(png.c_str(), 20, 10, 3, rgb.data(), 20 * 3));
+  EXPECT_EQ(hddp::decodeImage(png, 3, hddp::ImageLimits{200}).sizes(),
+            (std::vector<int64_t>{3, 10, 20}));
+  EXPECT_NE(errorOf([&] {
+              hddp::decodeImage(png, 3, hddp::ImageLimits{199});
+            }).find("20x10 (200 pixels), more than the limit of 199"),
+            std::string::npos);
+  // A BMP of 2x2 pixels whose header says 4000x4000: 16 million pixels from 70 bytes.
+  const std::string bmp = dir + "/b.bmp";
+  ASSERT_TRUE(stbi_write_bmp(bmp.c_str(), 2, 2, 3, rgb.data()));
+  std::fstream f(bmp, std::ios::in | std::ios::out | std::ios::binary);
+  const char size[4] = {static_cast<char>(0xa0), 0x0f, 0, 0};  // 4000, little-endian
+  f.seekp(18).write(size, 4).seekp(22).write(size, 4);
+  f.close();
+  EXPECT_NE(errorOf([&] {
+              hddp::decodeImage(bmp, 3);
+            }).find("4000x4000 pixels, more than its 70 bytes can describe as BMP"),
+            std::string::npos);
+}
+
 TEST(Datasets, SegmentationFolderBinaryMasksAndMatchedCrops) {
   const std::string dir = hddp::testing::makeTempDir();
   fs::create_directories(dir + "/images");

@@ -10,6 +10,7 @@
 //   train->setTransform(hddp::ImageTransform::standard(*train, /*augment=*/true));
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -102,8 +103,21 @@ class ImageFolderDataset : public Dataset {
   ImageTransform transform_;
 };
 
-/// Decodes an image file with stb into uint8 [channels, H, W]; throws hddp::DataError.
-at::Tensor decodeImage(const std::string& path, int channels);
+/// What decodeImage refuses before stb_image allocates anything for an image: image files
+/// come from outside (DESIGN.md, "Readers of outside bytes are bounded").
+struct ImageLimits {
+  /// Width x height at most. Default 2^28 (16384 x 16384, 256 MiB a channel): stb_image
+  /// holds up to 8 bytes a pixel while it decodes (16-bit RGBA PNG) and refuses a buffer
+  /// past 2 GiB itself.
+  int64_t maxPixels = int64_t{1} << 28;
+};
+
+/// Decodes an image file (PNG, JPEG, GIF, BMP, TGA, PGM/PPM) with stb_image into uint8
+/// [channels, H, W]. hddp::DataError naming the file and what is wrong when it cannot be
+/// decoded, and before decoding when it is larger than `limits`, claims more pixels than
+/// its bytes can describe in its format, or is a JPEG whose Huffman table counts more than
+/// 256 codes (Debian's stb_image 2.27 writes past its table then).
+at::Tensor decodeImage(const std::string& path, int channels, const ImageLimits& limits = {});
 
 /// Learnable synthetic classification: each class is a fixed random pattern, each
 /// sample that pattern plus noise, seeded (sample i is the same on every rank and run).

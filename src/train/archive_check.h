@@ -1,0 +1,60 @@
+// LibTorch's own archives checked against the bytes they hold before LibTorch reads them
+// (internal to the train layer). A Trainer state file's payload, and the archives nested
+// in it (each rank's part, ZeRO's optimizer parts), are what torch::serialize::
+// OutputArchive writes: a TorchScript module in a zip (data.pkl, constants.pkl, the
+// module's classes as code/*.py, its tensors as data/<key>). LibTorch's loader
+// (InputArchive::load_from, torch::jit::load) trusts what those bytes claim: its unpickler
+// sizes its memo from an index in the pickle and allocates a string's claimed length before
+// reading it (gigabytes for a 27 KB file), reads a storage of any claimed size from a
+// smaller record, and views a storage with any sizes and strides. Nothing of that reaches
+// LibTorch here: the archive is read first by a pickle machine of its own that builds no
+// values (archive_pickle_check.cpp), bounded as DESIGN.md asks ("Readers of outside bytes
+// are bounded").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace hddp {
+namespace train {
+
+/// How deep values of such an archive may nest. LibTorch frees nested values recursively,
+/// so a deep enough pickle (one byte a level) overflows the stack; hddp's archives nest
+/// about 10 deep (file, optimizer, its state, a parameter's state, a tensor's arguments).
+constexpr size_t kMaxArchiveDepth = 1000;
+
+/// How deep brackets may nest in the archive's code and in a type named by the pickle
+/// (`List[Dict[str, Tensor]]`): LibTorch's TorchScript parser recurses once a level.
+/// hddp's archives nest 2 deep.
+constexpr size_t kMaxArchiveCodeNesting = 32;
+
+/// hddp::StateError beginning with `what` ("state file /x/state-00000010.hddp") unless
+/// `bytes` is an archive LibTorch reads within the bytes it has:
+///  - a zip whose entries claim no more than the whole file (checkZipEntrySizes), in
+///    today's format (no model.json, which LibTorch reads with a parser of its own);
+///  - pickles (*.pkl, *.debug_pkl) of the opcodes and callables LibTorch's unpickler
+///    knows, with every length within the bytes left, memo indices below the pickle's
+///    size, values nested at most kMaxArchiveDepth deep, each storage no larger than its
+///    record, all storages together no larger than the file, each tensor within its
+///    storage;
+///  - code (*.py) that defines no function (so no class has a __setstate__ for LibTorch
+///    to run while loading; hddp's classes hold attributes only) and nests brackets at
+///    most kMaxArchiveCodeNesting deep.
+/// Such an archive takes LibTorch about as much memory as it has bytes, for its values and
+/// tensors together.
+void checkTorchArchive(const std::string& bytes, const std::string& what);
+
+/// One pickle `name` of such an archive (checkTorchArchive's second point). `tensorDir`:
+/// where its storages' records are ("data/" for data.pkl; empty for a pickle that holds
+/// no tensors); `recordSize`: a record's size, or nullopt when the archive lacks it;
+/// `storageBudget`: the bytes its storages may still read, lowered by each one.
+void checkArchivePickle(
+    const std::string& pickle, const std::string& name, const std::string& tensorDir,
+    const std::function<std::optional<uint64_t>(const std::string&)>& recordSize,
+    uint64_t& storageBudget, const std::string& what);
+
+}  // namespace train
+}  // namespace hddp

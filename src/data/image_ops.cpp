@@ -93,6 +93,16 @@ struct ImageFormat {
   int64_t pixelsPerByte;
 };
 
+// Where a JPEG's segments begin (after its SOI marker), or 0 for no JPEG: stb_image takes
+// fill bytes (0xFF) before the SOI too.
+size_t jpegSegments(const std::string& b) {
+  size_t i = 0;
+  while (i < b.size() && static_cast<unsigned char>(b[i]) == 0xFF) {
+    ++i;
+  }
+  return i > 0 && i < b.size() && static_cast<unsigned char>(b[i]) == 0xD8 ? i + 1 : 0;
+}
+
 ImageFormat formatOf(const std::string& b) {
   const auto starts = [&b](const char* magic, size_t n) {
     return b.size() >= n && b.compare(0, n, magic, n) == 0;
@@ -100,7 +110,7 @@ ImageFormat formatOf(const std::string& b) {
   if (starts("\x89PNG\r\n\x1a\n", 8)) {
     return {"PNG", 8256};  // deflate expands at most 1032:1, a pixel takes a bit at least
   }
-  if (starts("\xff\xd8", 2)) {
+  if (jpegSegments(b) > 0) {
     // A scan codes each 8x8 block of a component in a bit at least, and a component is
     // subsampled 4x4 at most.
     return {"JPEG", 8192};
@@ -126,7 +136,7 @@ void checkJpegHuffmanTables(const std::string& b, const std::string& path) {
   const auto at = [&b](size_t i) -> size_t {
     return i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
   };
-  for (size_t pos = 2; pos + 1 < b.size();) {
+  for (size_t pos = jpegSegments(b); pos + 1 < b.size();) {
     const size_t marker = at(pos + 1);
     if (at(pos) != 0xFF || marker == 0xFF) {
       ++pos;  // entropy-coded data, or a fill byte before a marker

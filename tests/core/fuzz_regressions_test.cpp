@@ -124,13 +124,15 @@ TEST(FuzzRegressions, AStateFilesPickleClaimingGigabytesIsRefusedBeforeLibTorchR
 }
 
 // A 9-byte JPEG whose Huffman table counts 510 codes (Debian's stb_image 2.27 writes past
-// its 257-entry table, in stbi_info already), a 29-byte GIF declaring 19973 x 26676 pixels
+// its 257-entry table, in stbi_info already; again behind fill bytes before its SOI, which
+// stb_image skips), a 29-byte GIF declaring 19973 x 26676 pixels
 // (stb_image allocated and cleared 4 GB) and a 16-bit PGM read as RGB (stb_image 2.27
 // converted it as 8-bit, then read past that buffer): refused before stb_image decodes
 // them, a DataError naming the file and the claim.
 TEST(FuzzRegressions, ImagesThatOverrunStbImageAreRefusedBeforeDecoding) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"jpeg-huffman-counts-over-256.jpg", "Huffman table (DHT segment at byte 2) counts 510"},
+      {"jpeg-huffman-counts-over-256-after-fill-bytes.jpg", "codes, more than the 256 a table"},
       {"gif-of-29-bytes-takes-4-GB.gif", "19973x26676 pixels, more than its 29 bytes"},
       {"pgm-of-16-bits-converted-past-its-buffer.pgm", "a 16-bit PGM read as 3 channel(s)"}};
   for (const auto& [name, claim] : cases) {

@@ -249,6 +249,7 @@ DistributedContext initFromEnv(const InitOptions& options) {
     c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
   }
   auto communicator = makeCommunicator(store, info.rank, info.worldSize, commOptions);
+  fault::disarmStore();  // store=N counts the operations of joining only
   return DistributedContext{info, device, store, std::move(communicator)};
 }
 

@@ -381,6 +381,8 @@ void armStore(int rank, int restart, int slot) {
   }
 }
 
+void disarmStore() { storeArmed = Armed{}; }
+
 bool beforeStoreOp(const std::string& what) {
   if (storeArmed.faults.empty()) {
     return false;

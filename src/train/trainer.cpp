@@ -356,6 +356,11 @@ TrainSummary Trainer::Impl::fit() {
   agreeOutcome<ConfigError>(comm_, "reading HDDP_FAULT", [&] {
     fault::arm(comm_.rank(), elastic_.restarts(), elastic_.slot());
   });
+  // Disarmed however fit() ends: a rank's collective faults are kept for the process,
+  // and a fit() that threw must not leave them to a later one's collectives.
+  struct Disarm {
+    ~Disarm() { fault::disarm(); }
+  } disarmAtEnd;
   int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
   int64_t agreedStart = 0;
   if (elastic_.enabled() || elastic_.underAgent()) {
@@ -426,8 +431,7 @@ TrainSummary Trainer::Impl::fit() {
     timeline_.write(comm_, options_.timelinePath);
   }
   reporter_.summary(summary, run_.lastEvaluation);
-  fault::disarm();  // a later save() of this Trainer meets no fault left over
-  return summary;
+  return summary;  // disarmAtEnd: a later save() of this Trainer meets no fault left over
 }
 
 Trainer::Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> model,

@@ -182,6 +182,32 @@ hddp::TrainSummary run(int rank, int size, hddp::Store& store, const std::string
   });
 }
 
+// A fit() that a fault ends forgets the rank's collective faults too: they are kept
+// for the process (collectives launch on other threads), and a later fit() or a user's
+// own collectives must not meet them.
+TEST(Fault, AFitThatThrowsLeavesNoCollectiveFaultArmed) {
+  hddp::testing::ScopedEnv fault("HDDP_FAULT", "raise@step=2;raise@collective=1000");
+  const std::string dir = hddp::testing::makeTempDir();
+  std::vector<int> thrown(2, 0);
+  std::vector<int> leftOver(2, 0);
+  hddp::testing::runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    try {
+      run(rank, size, store, dir, 4);
+    } catch (const hddp::Error&) {
+      thrown[static_cast<size_t>(rank)] = 1;
+    }
+    for (int i = 0; i < 1000; ++i) {
+      try {
+        hddp::fault::beforeCollective(rank, "a collective after fit()");
+      } catch (const hddp::DistributedError&) {
+        ++leftOver[static_cast<size_t>(rank)];
+      }
+    }
+  });
+  EXPECT_EQ(thrown, (std::vector<int>{1, 1})) << "raise@step=2 ends fit() on both ranks";
+  EXPECT_EQ(leftOver, (std::vector<int>{0, 0}));
+}
+
 // A full disk at the second save (step 4): the save fails on every rank (one writer in a
 // shared folder), no half-written file stays, and the next run resumes from step 2.
 TEST(Fault, AFullDiskAtASaveFailsEveryRankAndThePreviousCommitResumes) {

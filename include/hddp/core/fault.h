@@ -74,6 +74,8 @@ void beforeSave(const std::string& path);
 /// Keeps, for this thread, the store faults meant for `rank` (`slot`, `restart`: as
 /// arm()); hddp::initFromEnv calls it before it opens the job's store. Resets the count.
 void armStore(int rank, int restart, int slot = -1);
+/// Forgets this thread's store faults (hddp::initFromEnv, once the rank has joined).
+void disarmStore();
 /// A store operation (`what` describes it) on this thread: counts it and acts on a
 /// store fault armed for that count. Returns true when a drop acted: the caller marks
 /// its store dropped and fails this operation and every later one.

@@ -204,16 +204,19 @@ void install(const EmuOptions& options) {
     detail::gDeviceCount.store(options.deviceCount);
     detail::registerGuard();
     detail::registerHooks();
-    // Leaked: the registrations must outlive every tensor, up to the process's exit.
-    auto* aten = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1,
-                                    __FILE__, __LINE__);
+    // Never destroyed: the registrations must outlive every tensor, up to the process's
+    // exit. Held by a static pointer (no destructor runs) rather than dropped, so that
+    // LeakSanitizer sees them reachable, not leaked (scripts/sanitize.sh).
+    static torch::Library* registrations[4] = {};
+    auto* aten = registrations[0] = new torch::Library(
+        torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     detail::registerKernels(*aten);
-    auto* all = new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse1,
-                                   __FILE__, __LINE__);
+    auto* all = registrations[1] = new torch::Library(
+        torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
     detail::registerFallback(*all);
-    auto* autocastAten = new torch::Library(
+    auto* autocastAten = registrations[2] = new torch::Library(
         torch::Library::IMPL, "aten", c10::DispatchKey::AutocastPrivateUse1, __FILE__, __LINE__);
-    auto* autocastAll = new torch::Library(
+    auto* autocastAll = registrations[3] = new torch::Library(
         torch::Library::IMPL, "_", c10::DispatchKey::AutocastPrivateUse1, __FILE__, __LINE__);
     detail::registerAutocast(*autocastAten, *autocastAll);
     at::globalContext().lazyInitDevice(c10::DeviceType::PrivateUse1);

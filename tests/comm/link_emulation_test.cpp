@@ -168,7 +168,7 @@ TEST(LinkEmulation, TheRingStartsWhenTheInputIsReadyOnTheDevice_Emu) {
   hddp::emu::setStreamDelay(std::chrono::milliseconds(0));
   guard.synchronizeDevice(dev.index());
   // A CPU tensor is ready when issued: its ring starts at once.
-  InstantCommunicator onHost(c10::Device(c10::kCPU));
+  InstantCommunicator onHost{c10::Device(c10::kCPU)};
   auto hostComm = hddp::emulateLink(onHost, hddp::LinkEmulation{20e6, 0.0});
   auto t = torch::ones({500000});
   const auto start = Clock::now();

@@ -28,6 +28,8 @@ def run(args, zero, shard_by, width, extra=(), totals="8:24", steps=3, batch=8):
            "--steps", str(steps)]
     cmd += list(extra)
     env = {"HDDP_EMU_DEVICES": "2", "HDDP_LOG_LEVEL": "warn", "PATH": "/usr/bin:/bin"}
+    # A sanitized build's options (scripts/sanitize.sh) reach the ranks too.
+    env.update({k: v for k, v in os.environ.items() if k.endswith("SAN_OPTIONS")})
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     results = {}
     for line in p.stdout.splitlines():

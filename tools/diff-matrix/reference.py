@@ -10,6 +10,7 @@ micro-step (BatchNorm sees each micro-step's global micro-batch, as SyncBatchNor
 import torch
 import torch.nn.functional as F
 
+import reference_ranks
 import zoo
 
 
@@ -38,10 +39,15 @@ def loss_sum(cfg, out, y):
     return F.mse_loss(out, y, reduction="sum") / out.shape[1]
 
 
-def train(cfg, tensors, lr_scale=1.0):
+def train(cfg, tensors, lr_scale=1.0, layout=None):
     """Trains the case; returns the final {"param/..", "buffer/..", "state/../.."} tensors.
-    `lr_scale` plants a wrong learning rate (to check that the comparison catches it)."""
+    `lr_scale` plants a wrong learning rate (to check that the comparison catches it).
+    A case whose reduction rounds (compression, autocast) trains rank by rank
+    (reference_ranks.py); `layout` is then hddp's bucket layout of each step, needed
+    where a step runs on 3 ranks. A resumed case trains straight through."""
     model = zoo.make(cfg, cfg["seed"])
+    if cfg.get("autocast"):
+        model.float()  # the case's values are float32
     model.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("init/")})
     model.train()
     if cfg.get("frozen"):
@@ -54,10 +60,14 @@ def train(cfg, tensors, lr_scale=1.0):
         scaler = torch.amp.GradScaler("cpu", init_scale=sc["init_scale"],
                                       growth_interval=sc["growth_interval"])
     first = next(iter(model.parameters()))  # DDP's first parameter: fc1.weight
+    per_rank = reference_ranks.needed(cfg)
     for s, step in enumerate(cfg["splits"]):
         opt.zero_grad(set_to_none=cfg["zero_grad_to_none"])
         total = sum(sum(counts) for counts in step)
-        for m, counts in enumerate(step):
+        if per_rank:
+            reference_ranks.backward_of_step(cfg, model, tensors, s, scaler,
+                                             layout[s] if layout else None)
+        for m, counts in enumerate([] if per_rank else step):
             x, y = tensors[f"x/{s}/{m}"], tensors[f"y/{s}/{m}"]
             mask = None
             if cfg["heads"] is not None:
@@ -71,7 +81,9 @@ def train(cfg, tensors, lr_scale=1.0):
                 with torch.no_grad():
                     first.grad.view(-1)[0] = float("inf")
             scaler.unscale_(opt)
-        if cfg["clip"] is not None:
+        if cfg["clip"] is not None and cfg.get("autocast"):  # float32: hddp's arithmetic
+            reference_ranks.clip(cfg, model, layout[s] if layout else None)
+        elif cfg["clip"] is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])
         if scaler is not None:
             scaler.step(opt)
@@ -81,6 +93,12 @@ def train(cfg, tensors, lr_scale=1.0):
         if cfg.get("lr_decay"):
             for group in opt.param_groups:
                 group["lr"] *= cfg["lr_decay"]
+    return final_state(model, opt, scaler)
+
+
+def final_state(model, opt, scaler=None):
+    """What the comparison reads: {"param/<name>", "buffer/<name>", "state/<name>/<key>",
+    "scaler/..."}."""
     result = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         result[f"param/{name}"] = p.detach().clone()

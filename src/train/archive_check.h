@@ -31,6 +31,11 @@ constexpr size_t kMaxArchiveDepth = 1000;
 /// hddp's archives nest 2 deep.
 constexpr size_t kMaxArchiveCodeNesting = 32;
 
+/// The largest pickle (data.pkl and the like) hddp reads: hddp's hold the tensors' names
+/// and sizes (some 200 bytes a tensor), and checking one takes about 140 bytes of memory
+/// per byte (so 9 GB for the largest).
+constexpr uint64_t kMaxArchivePickleBytes = uint64_t{64} << 20;
+
 /// hddp::StateError beginning with `what` ("state file /x/state-00000010.hddp") unless
 /// `bytes` is an archive LibTorch reads within the bytes it has:
 ///  - a zip whose entries claim no more than the whole file (checkZipEntrySizes), in
@@ -40,17 +45,25 @@ constexpr size_t kMaxArchiveCodeNesting = 32;
 ///    size, values nested at most kMaxArchiveDepth deep, each storage no larger than its
 ///    record, all storages together no larger than the file, each tensor within its
 ///    storage;
-///  - code (*.py) that defines no function (so no class has a __setstate__ for LibTorch
-///    to run while loading; hddp's classes hold attributes only) and nests brackets at
-///    most kMaxArchiveCodeNesting deep.
-/// Such an archive takes LibTorch about as much memory as it has bytes, for its values and
-/// tensors together.
+///  - code (*.py) of the lines OutputArchive writes only (class headers, imports,
+///    __parameters__ / __buffers__ / __annotations__ lists, `name : Type`, __annotations__["name"]
+///    = Type, comments), with types nested at most kMaxArchiveCodeNesting deep: no function (so no
+///    __setstate__ for LibTorch to run while loading) and no expression for LibTorch's recursive
+///    parser;
+///  - pickles of at most kMaxArchivePickleBytes each.
+/// Such an archive takes LibTorch about as much memory as it has bytes for its tensors,
+/// and for its values up to some 150 bytes per pickle byte (a value per opcode); the check
+/// itself takes as much (about 140 bytes per pickle byte), hence the pickles' bound.
 void checkTorchArchive(const std::string& bytes, const std::string& what);
 
 /// One pickle `name` of such an archive (checkTorchArchive's second point). `tensorDir`:
 /// where its storages' records are ("data/" for data.pkl; empty for a pickle that holds
 /// no tensors); `recordSize`: a record's size, or nullopt when the archive lacks it;
 /// `storageBudget`: the bytes its storages may still read, lowered by each one.
+/// hddp::StateError unless a pickle `name` of `size` bytes is within
+/// kMaxArchivePickleBytes.
+void checkPickleSize(uint64_t size, const std::string& name, const std::string& what);
+
 void checkArchivePickle(
     const std::string& pickle, const std::string& name, const std::string& tensorDir,
     const std::function<std::optional<uint64_t>(const std::string&)>& recordSize,

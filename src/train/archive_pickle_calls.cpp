@@ -15,32 +15,25 @@ namespace archive_pickle {
 
 namespace {
 
-// The storage types LibTorch's unpickler resolves (torch.<Name>Storage), quantized ones
-// aside.
+// The longest name of a global or of a type hddp reads (hddp's are under 100 bytes): each
+// REDUCE or BUILD compares its callable's name, which a pickle may name again and again.
+constexpr size_t kMaxGlobalName = 4096;
+
+// The storage types LibTorch's unpickler resolves (torch.<Name>Storage): every ScalarType
+// of the LibTorch hddp is built against (Float8_e8m0fnu, Float4_e2m1fn_x2, Bits*, UInt1-7,
+// Int1-7...), quantized ones aside.
 std::optional<c10::ScalarType> storageType(const std::string& name) {
   using c10::ScalarType;
   static const std::unordered_map<std::string, ScalarType> types = [] {
     std::unordered_map<std::string, ScalarType> out;
-    for (const ScalarType t : {ScalarType::Byte,
-                               ScalarType::Char,
-                               ScalarType::Short,
-                               ScalarType::Int,
-                               ScalarType::Long,
-                               ScalarType::Half,
-                               ScalarType::Float,
-                               ScalarType::Double,
-                               ScalarType::ComplexHalf,
-                               ScalarType::ComplexFloat,
-                               ScalarType::ComplexDouble,
-                               ScalarType::Bool,
-                               ScalarType::BFloat16,
-                               ScalarType::Float8_e5m2,
-                               ScalarType::Float8_e4m3fn,
-                               ScalarType::Float8_e5m2fnuz,
-                               ScalarType::Float8_e4m3fnuz,
-                               ScalarType::UInt16,
-                               ScalarType::UInt32,
-                               ScalarType::UInt64}) {
+    // Every type of LibTorch's ScalarType.h; the quantized ones are skipped below.
+#define HDDP_STORAGE_TYPE(_, name) ScalarType::name,
+    const ScalarType all[] = {AT_FORALL_SCALAR_TYPES_WITH_COMPLEX_AND_QINTS(HDDP_STORAGE_TYPE)};
+#undef HDDP_STORAGE_TYPE
+    for (const ScalarType t : all) {
+      if (c10::isQIntType(t)) {
+        continue;
+      }
       out.emplace(std::string(c10::toString(t)) + "Storage", t);
     }
     return out;
@@ -68,6 +61,8 @@ size_t bracketNesting(const std::string& text) {
 // A GLOBAL: what LibTorch's unpickler resolves it to.
 uint32_t ArchivePickleMachine::global(const std::string& module, const std::string& name,
                                       size_t at) {
+  check(module.size() + name.size() <= kMaxGlobalName, at, "a GLOBAL's name of ",
+        module.size() + name.size(), " bytes, beyond hddp's limit of ", kMaxGlobalName);
   if (module == "torch") {
     if (const auto type = storageType(name)) {
       const uint32_t v = make(Kind::StorageType);
@@ -115,7 +110,7 @@ Kind ArchivePickleMachine::kindOf(const Value& tuple, size_t k) const {
 uint32_t ArchivePickleMachine::call(uint32_t callable, uint32_t argument, size_t at) {
   check(values_[callable].kind == Kind::Global, at,
         "REDUCE or BUILD of something that is not a global");
-  const std::string name = values_[callable].s;
+  const std::string& name = values_[callable].s;  // values_ may grow below: used before
   if (name == "torch._utils._rebuild_tensor_v2") {
     return tensorView(argument, at);
   }
@@ -137,9 +132,12 @@ uint32_t ArchivePickleMachine::call(uint32_t callable, uint32_t argument, size_t
     const Value& a = argumentTuple(argument, 2, name, at);
     check(kindOf(a, 1) == Kind::String, at, "a type named by something not a string");
     const std::string& type = values_[a.items[1]].s;
-    check(bracketNesting(type) <= kMaxArchiveCodeNesting, at, "type ", type.substr(0, 64),
-          "... nests brackets ", bracketNesting(type), " deep, beyond hddp's limit of ",
-          kMaxArchiveCodeNesting);
+    // Bounded, so that a type named again and again costs little each time.
+    check(type.size() <= kMaxGlobalName, at, "a type's name of ", type.size(),
+          " bytes, beyond hddp's limit of ", kMaxGlobalName);
+    const size_t nesting = bracketNesting(type);
+    check(nesting <= kMaxArchiveCodeNesting, at, "type ", type.substr(0, 64), "... nests brackets ",
+          nesting, " deep, beyond hddp's limit of ", kMaxArchiveCodeNesting);
     return a.items[0];
   }
   if (name.rfind("torch.jit._pickle.build_", 0) == 0) {  // a typed list: the list itself
@@ -213,8 +211,7 @@ uint32_t ArchivePickleMachine::tensorView(uint32_t argument, size_t at) {
   const int64_t offset = values_[a.items[1]].i;
   check(viewFitsStorage(sizes, strides, offset, held), at, "a tensor of size ",
         c10::IntArrayRef(sizes), ", stride ", c10::IntArrayRef(strides), " and offset ", offset,
-        " on a storage of ", held,
-        " elements; a tensor must lie within its storage and be no larger than it");
+        " on a storage of ", held, " elements; a tensor must lie within its storage");
   const uint32_t v = make(Kind::Tensor);
   values_[v].dtype = dtype;
   values_[v].i = static_cast<int64_t>(held);

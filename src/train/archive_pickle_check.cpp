@@ -158,6 +158,7 @@ void checkArchivePickle(
     const std::string& pickle, const std::string& name, const std::string& tensorDir,
     const std::function<std::optional<uint64_t>(const std::string&)>& recordSize,
     uint64_t& storageBudget, const std::string& what) {
+  checkPickleSize(pickle.size(), name, what);
   archive_pickle::ArchivePickleMachine(pickle, name, tensorDir, recordSize, storageBudget, what)
       .run();
 }

@@ -77,20 +77,24 @@ bool viewFitsStorage(c10::ArrayRef<int64_t> sizes, c10::ArrayRef<int64_t> stride
       return false;
     }
   }
-  // offset + sum((size - 1) * stride) < held, and no more elements than held.
-  const auto elements = tensorBytes(sizes, 1);
-  bool fits = elements && *elements <= held;
-  if (fits && *elements > 0) {
-    uint64_t last = static_cast<uint64_t>(offset);
-    for (size_t d = 0; d < sizes.size(); ++d) {
-      uint64_t step = 0;
-      fits = fits &&
-             !c10::mul_overflows(static_cast<uint64_t>(sizes[d] - 1),
-                                 static_cast<uint64_t>(strides[d]), &step) &&
-             !c10::add_overflows(last, step, &last);
+  // The view's extent, offset + sum((size - 1) * stride) + 1 (0 when a size is 0), within
+  // held. Strides of 0 (an expanded tensor, which LibTorch saves as such) are allowed: the
+  // view takes no memory beyond its storage.
+  for (int64_t s : sizes) {
+    if (s == 0) {
+      return true;
     }
-    fits = fits && last < held;
   }
+  uint64_t last = static_cast<uint64_t>(offset);
+  bool fits = true;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    uint64_t step = 0;
+    fits = fits &&
+           !c10::mul_overflows(static_cast<uint64_t>(sizes[d] - 1),
+                               static_cast<uint64_t>(strides[d]), &step) &&
+           !c10::add_overflows(last, step, &last);
+  }
+  fits = fits && last < held;
   return fits;
 }
 
@@ -117,10 +121,13 @@ class TensorReader {
     HDDP_CHECK_AS(StateError, valid, "state dict ", path_, ": '", key, "' has size ", sizes,
                   ", stride ", strides, " and storage offset ", value.offset,
                   "; negative ones are no tensor torch.save writes");
-    // Within the storage, and no more elements than it holds (an expanded view, stride 0,
-    // is refused: it would be the caller's copy that allocates the claimed size).
+    // Within the storage, and (for a torch.save file) no more elements than it holds: an
+    // expanded view, stride 0, is refused here, as the caller's copy would allocate the
+    // claimed size.
     const auto held = static_cast<uint64_t>(value.i);
-    const bool fits = viewFitsStorage(sizes, strides, value.offset, held);
+    const auto elements = tensorBytes(sizes, 1);
+    const bool fits =
+        viewFitsStorage(sizes, strides, value.offset, held) && elements && *elements <= held;
     const size_t elementSize = c10::elementSize(value.dtype);
     HDDP_CHECK_AS(StateError, fits, "state dict ", path_, ": '", key, "' claims ",
                   bytesText(tensorBytes(sizes, elementSize)), " (size ", sizes, ", stride ",

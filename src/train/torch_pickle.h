@@ -24,10 +24,10 @@ std::optional<uint64_t> tensorBytes(c10::ArrayRef<int64_t> sizes, size_t element
 /// "N bytes", or what a nullopt from tensorBytes means, for messages.
 std::string bytesText(std::optional<uint64_t> bytes);
 /// Whether a view of `sizes` and `strides` (as many) at element `offset` of a storage of
-/// `held` elements lies within it and takes no more elements than it holds: nothing
-/// negative, offset + sum((size - 1) * stride) < held without overflow. An expanded view
-/// (stride 0) of more elements than the storage is refused: whoever copies it allocates
-/// its claimed size.
+/// `held` elements lies within it: nothing negative, and its extent, offset +
+/// sum((size - 1) * stride) + 1 (0 when a size is 0), at most held without overflow. An
+/// expanded view (stride 0) of more elements than the storage fits: LibTorch saves and
+/// loads such buffers as views.
 bool viewFitsStorage(c10::ArrayRef<int64_t> sizes, c10::ArrayRef<int64_t> strides, int64_t offset,
                      uint64_t held);
 

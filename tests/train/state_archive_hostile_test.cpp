@@ -153,17 +153,102 @@ TEST(StateArchiveHostile, CodeThatRunsOrNestsDeepIsRefused) {
   EXPECT_NE(refusal(edited(bytes, "code/__torch__.py",
                            appending("  def __setstate__(self, state: int) -> None:\n"
                                      "    pass\n")))
-                .find("defines a function"),
+                .find("is none of the lines hddp's archives hold"),
             std::string::npos);
   EXPECT_EQ(refusal(edited(bytes, "code/__torch__.py", appending("  # def in a comment\n"))),
             "(no StateError)");
   EXPECT_NE(
       refusal(edited(bytes, "code/__torch__.py", appending("  x = " + std::string(40, '[') + "\n")))
-          .find("nests brackets more than 32 deep"),
+          .find("(  x = [[[["),
       std::string::npos);
   EXPECT_NE(refusal(edited(bytes, "model.json", [](const std::string&) { return "{}"; }))
                 .find("model.json"),
             std::string::npos);
+}
+
+}  // namespace
+
+namespace {
+
+// An expanded buffer (stride 0: 12 elements viewing a storage of 1), which LibTorch saves
+// and loads as a view, and tensors of the newer dtypes: the check lets them through.
+TEST(StateArchiveHostile, ExpandedBuffersAndNewerDtypesPassAndLoad) {
+  torch::serialize::OutputArchive archive;
+  archive.write("expanded", torch::ones({1}).expand({4, 3}), /*is_buffer=*/true);
+  archive.write("e8m0", torch::ones({3}).to(torch::kFloat8_e8m0fnu), /*is_buffer=*/true);
+  archive.write("u16", torch::ones({3}).to(torch::kUInt16), /*is_buffer=*/true);
+  std::ostringstream out;
+  archive.save_to(out);
+  const std::string bytes = out.str();
+  EXPECT_EQ(refusal(bytes), "(no StateError)");
+  torch::serialize::InputArchive in;
+  in.load_from(bytes.data(), bytes.size());
+  at::Tensor expanded;
+  in.read("expanded", expanded, /*is_buffer=*/true);
+  EXPECT_TRUE(expanded.equal(torch::ones({4, 3})));
+  at::Tensor e8m0;
+  in.read("e8m0", e8m0, /*is_buffer=*/true);
+  EXPECT_EQ(e8m0.scalar_type(), torch::kFloat8_e8m0fnu);
+}
+
+// Code lines LibTorch's parser would recurse on once per character: refused by line, not
+// a crash. Archives nested three deep still pass.
+TEST(StateArchiveHostile, CodeOutsideTheAttributeGrammarIsRefused) {
+  const std::string bytes = sample();
+  const auto appending = [](const std::string& text) {
+    return [text](const std::string& code) { return code + text; };
+  };
+  for (const std::string& line : {"  __buffers__ = " + std::string(300000, '-') + "1\n",
+                                  "  x = " +
+                                      [] {
+                                        std::string s;
+                                        for (int i = 0; i < 100000; ++i) {
+                                          s += "not ";
+                                        }
+                                        return s;
+                                      }() +
+                                      "1\n",
+                                  std::string("  w : Tensor = 1\n")}) {
+    const std::string message = refusal(edited(bytes, "code/__torch__.py", appending(line)));
+    EXPECT_NE(message.find("its code code/__torch__.py line "), std::string::npos) << message;
+    EXPECT_NE(message.find("is none of the lines hddp's archives hold"), std::string::npos)
+        << message;
+  }
+  torch::serialize::OutputArchive outer;
+  torch::serialize::OutputArchive middle;
+  torch::serialize::OutputArchive inner;
+  inner.write("t", torch::ones({2}), /*is_buffer=*/true);
+  inner.write("p", torch::ones({2}));
+  middle.write("inner", inner);
+  middle.write("b", torch::zeros({1}), /*is_buffer=*/true);
+  outer.write("middle", middle);
+  outer.write("w", torch::ones({1}));
+  std::ostringstream out;
+  outer.save_to(out);
+  EXPECT_EQ(refusal(out.str()), "(no StateError)");
+}
+
+// A global's name of a megabyte, which each REDUCE would compare again, and a pickle
+// beyond the bound of what checking it may take.
+TEST(StateArchiveHostile, LongGlobalNamesAndHugePicklesAreRefused) {
+  const std::string bytes = sample();
+  const std::string message = refusal(edited(bytes, "data.pkl", [](const std::string&) {
+    return bin("\x80\x02", 2) + "c__torch__\n" + std::string(1 << 20, 'M') + "\n.";
+  }));
+  EXPECT_NE(message.find("a GLOBAL's name of 1048585 bytes, beyond hddp's limit of 4096"),
+            std::string::npos)
+      << message;
+  uint64_t budget = 0;
+  try {
+    hddp::train::checkArchivePickle(
+        std::string(hddp::train::kMaxArchivePickleBytes + 1, '.'), "data.pkl", "data/",
+        [](const std::string&) { return std::nullopt; }, budget, "state file /x");
+    ADD_FAILURE() << "no StateError";
+  } catch (const hddp::StateError& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("beyond hddp's limit of 67108864"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
 }
 
 }  // namespace

@@ -14,6 +14,23 @@ namespace {
 
 using hddp::testing::runThreads;
 
+// The largest difference of `model`'s parameters and floating-point buffers to
+// `reference`'s of the same names.
+double maxDifference(const torch::nn::Module& model, const torch::nn::Module& reference) {
+  double d = 0;
+  auto ref = reference.named_parameters();
+  for (const auto& p : model.named_parameters()) {
+    d = std::max(d, (p.value() - ref[p.key()]).abs().max().item<double>());
+  }
+  auto refBuffers = reference.named_buffers();
+  for (const auto& b : model.named_buffers()) {
+    if (b.value().is_floating_point()) {
+      d = std::max(d, (b.value() - refBuffers[b.key()]).abs().max().item<double>());
+    }
+  }
+  return d;
+}
+
 // conv -> norm -> relu -> pool -> linear; the norm is SyncBatchNorm or BatchNorm2d.
 struct NetImpl : torch::nn::Module {
   explicit NetImpl(bool sync) : sync(sync) {
@@ -95,18 +112,7 @@ std::vector<double> trainAndCompare(int world, bool sync) {
           .backward();
       opt.step();
     }
-    double d = 0;
-    auto ref = reference->named_parameters();
-    for (auto& p : model->named_parameters()) {
-      d = std::max(d, (p.value() - ref[p.key()]).abs().max().item<double>());
-    }
-    auto refBuffers = reference->named_buffers();
-    for (auto& b : model->named_buffers()) {
-      if (b.value().is_floating_point()) {
-        d = std::max(d, (b.value() - refBuffers[b.key()]).abs().max().item<double>());
-      }
-    }
-    diffs[rank] = d;
+    diffs[rank] = maxDifference(*model, *reference);
   });
   return diffs;
 }
@@ -257,18 +263,7 @@ TEST(SyncBatchNorm, AParameterUsedOnSomeRanksDoesNotCrossItsBackwardSums) {
           .backward();
       opt.step();
     }
-    double d = 0;
-    auto ref = reference->named_parameters();
-    for (auto& p : model->named_parameters()) {
-      d = std::max(d, (p.value() - ref[p.key()]).abs().max().item<double>());
-    }
-    auto refBuffers = reference->named_buffers();
-    for (auto& b : model->named_buffers()) {
-      if (b.value().is_floating_point()) {
-        d = std::max(d, (b.value() - refBuffers[b.key()]).abs().max().item<double>());
-      }
-    }
-    diffs[rank] = d;
+    diffs[rank] = maxDifference(*model, *reference);
   });
   EXPECT_LT(diffs[0], 1e-12);
   EXPECT_LT(diffs[1], 1e-12);

@@ -122,6 +122,11 @@ void applyCompression(const json& c, hddp::DdpOptions& options) {
     options.powerSgd.errorFeedback = c.at("error_feedback");
     options.powerSgd.warmStart = c.at("warm_start");
     options.powerSgd.randomSeed = c.at("seed");
+    if (c.value("wire", std::string()) == "float32") {
+      options.powerSgd.wireType = at::kFloat;
+    } else {
+      HDDP_CHECK(!c.contains("wire"), "unknown PowerSGD wire '", c.at("wire").dump(), "'");
+    }
   }
 }
 

@@ -193,6 +193,7 @@ void DistributedDataParallel::Impl::launchReadyBuckets(bool duringBackward) {
     for (int index : b.params) {
       bucket.parameters.push_back(params_[index].tensor);
       bucket.offsets.push_back(params_[index].offset);
+      bucket.names.push_back(params_[index].name);
       gradientElements += params_[index].tensor.numel();
     }
     // A user's hook sees the gradients only; the status slot (last bucket) is summed

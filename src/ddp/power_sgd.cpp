@@ -7,50 +7,18 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 
-#include <chrono>
-#include <limits>
 #include <random>
 
+#include "ddp/power_sgd_math.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 
 namespace hddp {
 
+using detail::orthogonalize;
+
 namespace {
-
-// PyTorch's _orthogonalize_gram_schmidt: columns of each matrix of a batch (b x n x r)
-// made orthonormal in place.
-void gramSchmidt(at::Tensor& matrices, double epsilon) {
-  const int64_t columns = matrices.size(2);
-  for (int64_t i = 0; i < columns; ++i) {
-    at::Tensor col = matrices.narrow(2, i, 1);
-    at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef{1}, /*keepdim=*/true);
-    if (epsilon == 0) {
-      // An all-zero column stays zero (PyTorch's would turn NaN: 0/0); any other is
-      // divided exactly as PyTorch's.
-      col.div_(at::where(norm > 0, norm, at::ones_like(norm)));
-    } else {
-      col.div_(norm + epsilon);
-    }
-    if (i + 1 < columns) {
-      at::Tensor rest = matrices.narrow(2, i + 1, columns - i - 1);
-      rest.sub_(at::sum(col * rest, at::IntArrayRef{1}, /*keepdim=*/true) * col);
-    }
-  }
-}
-
-// PyTorch's _orthogonalize: Gram-Schmidt for a rank up to 2 or half types, else QR.
-void orthogonalize(at::Tensor matrices, double epsilon) {
-  const int64_t rank = matrices.size(2);
-  const auto type = matrices.scalar_type();
-  if (rank <= 2 || type == at::kHalf || type == at::kBFloat16) {
-    gramSchmidt(matrices, epsilon);
-  } else {
-    matrices.copy_(std::get<0>(at::linalg_qr(matrices, "reduced")));
-  }
-}
 
 // One gradient of a bucket that is compressed: its matrix view (1 x rows x cols) and
 // its P and Q views (1 x rows x r, 1 x cols x r) into the bucket's memories.
@@ -58,7 +26,24 @@ struct Factorised {
   at::Tensor matrix;
   at::Tensor p;
   at::Tensor q;
+  size_t gradient = 0;  // its position in the bucket
 };
+
+// The key of a bucket's gradient in the memories: the parameter's name, or for a
+// bucket made by hand (no names) its bucket and position.
+std::vector<std::string> memoryKeys(const GradBucket& bucket) {
+  if (!bucket.names.empty()) {
+    HDDP_CHECK(bucket.names.size() == bucket.parameters.size(), "GradBucket ", bucket.index,
+               ": ", bucket.names.size(), " names for ", bucket.parameters.size(),
+               " parameters");
+    return bucket.names;
+  }
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < bucket.parameters.size(); ++i) {
+    keys.push_back(std::to_string(bucket.index) + "." + std::to_string(i));
+  }
+  return keys;
+}
 
 }  // namespace
 
@@ -69,8 +54,8 @@ struct PowerSgdMemories {
   int64_t* draws;
   int64_t* before;
   int64_t* after;
-  std::map<int, at::Tensor>* error;
-  std::map<int, at::Tensor>* q;
+  std::map<std::string, at::Tensor>* error;
+  std::map<std::string, at::Tensor>* q;
   bool* stepFinite;  // false once a bucket of this step reduced to inf/NaN
 };
 
@@ -92,7 +77,9 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
         comm_(comm),
         index_(bucket.index),
         isLast_(bucket.isLast),
-        input_(bucket.buffer) {
+        input_(bucket.buffer),
+        offsets_(bucket.offsets),
+        keys_(memoryKeys(bucket)) {
     gradients_ = bucket.gradients();
   }
 
@@ -102,7 +89,6 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     const int64_t draws = *m_.draws;
     const int64_t before = *m_.before;
     const int64_t after = *m_.after;
-    const bool hadError = m_.error->count(index_) > 0;
     try {
       return firstRoundOrThrow();
     } catch (...) {
@@ -112,9 +98,6 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       *m_.draws = draws;
       *m_.before = before;
       *m_.after = after;
-      if (!hadError) {
-        m_.error->erase(index_);
-      }
       throw;
     }
   }
@@ -125,32 +108,42 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     int64_t* before = m_.before;
     int64_t* after = m_.after;
     int64_t* draws = m_.draws;
-    std::map<int, at::Tensor>& error = *m_.error;
-    std::map<int, at::Tensor>& qs = *m_.q;
+    std::map<std::string, at::Tensor>& error = *m_.error;
+    std::map<std::string, at::Tensor>& qs = *m_.q;
     const auto options = input_.options();
     if (o.errorFeedback) {
-      auto known = error.find(index_);
-      if (known != error.end() && known->second.numel() != input_.numel()) {
-        HDDP_LOG_INFO("ddp", "PowerSGD: bucket ", index_, "'s error memory holds ",
-                      known->second.numel(), " elements, the bucket ", input_.numel(), ": dropped");
-        error.erase(known);
-        known = error.end();
+      // Each parameter's memory at its gradient's place in the bucket (none yet: zero).
+      at::Tensor memory;
+      for (size_t i = 0; i < gradients_.size(); ++i) {
+        auto known = error.find(keys_[i]);
+        if (known == error.end()) {
+          continue;
+        }
+        const int64_t n = gradients_[i].numel();
+        if (known->second.numel() != n) {
+          HDDP_LOG_INFO("ddp", "PowerSGD: ", keys_[i], "'s error memory holds ",
+                        known->second.numel(), " elements, its gradient ", n, ": dropped");
+          error.erase(known);
+          continue;
+        }
+        if (!memory.defined()) {
+          memory = at::zeros({input_.numel()}, options);
+        }
+        memory.narrow(0, offsets_[i], n).copy_(known->second.reshape({-1}));
       }
-      if (known != error.end()) {
-        at::Tensor memory = known->second.to(options);
+      if (memory.defined()) {
         input_.add_(memory);
         addedError_ = memory;
-      } else {
-        error[index_] = at::zeros({input_.numel()}, options);
       }
       inputCopy_ = input_.clone();
     }
     // Which gradients are worth compressing; the rest go whole in one allreduce.
     std::vector<at::Tensor> whole;
-    std::vector<at::Tensor> matrices;
+    std::vector<std::pair<at::Tensor, size_t>> matrices;  // with the gradient's position
     int64_t totalP = 0;
     int64_t totalQ = 0;
-    for (const auto& g : gradients_) {
+    for (size_t i = 0; i < gradients_.size(); ++i) {
+      const at::Tensor& g = gradients_[i];
       if (g.dim() == 0 || g.numel() == 0) {
         whole.push_back(g);
         *before += g.numel();
@@ -166,7 +159,7 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       *before += uncompressed;
       if (static_cast<double>(compressed) * o.minCompressionRate <
           static_cast<double>(uncompressed)) {
-        matrices.push_back(m);
+        matrices.emplace_back(m, i);
         totalP += rows * r;
         totalQ += cols * r;
         *after += compressed;
@@ -179,11 +172,11 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     wholeWire_ = whole.empty() ? at::empty({0}, options) : at::cat(flatViews(whole));
 
     // PyTorch's order: gradients grouped by shape, groups in order of first appearance.
-    std::vector<std::vector<at::Tensor>> groups;
+    std::vector<std::vector<std::pair<at::Tensor, size_t>>> groups;
     for (const auto& m : matrices) {
       bool placed = false;
       for (auto& g : groups) {
-        if (g.front().sizes() == m.sizes()) {
+        if (g.front().first.sizes() == m.first.sizes()) {
           g.push_back(m);
           placed = true;
           break;
@@ -193,35 +186,43 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
         groups.push_back({m});
       }
     }
-    auto knownQ = qs.find(index_);
-    if (knownQ != qs.end() && knownQ->second.numel() != totalQ) {
-      HDDP_LOG_INFO("ddp", "PowerSGD: bucket ", index_, "'s Q memory holds ",
-                    knownQ->second.numel(), " elements, the bucket needs ", totalQ,
-                    ": drawn afresh");
-      qs.erase(knownQ);
-      knownQ = qs.end();
-    }
-    const bool randomize = !o.warmStart || knownQ == qs.end();
     pMemory_ = at::empty({totalP}, options);
-    // A copy: the stored memory stays as it was until the step's end.
-    qMemory_ = randomize ? at::empty({totalQ}, options)
-                         : knownQ->second.to(options, /*non_blocking=*/false, /*copy=*/true);
+    qMemory_ = at::empty({totalQ}, options);
     int64_t pAt = 0;
     int64_t qAt = 0;
     for (const auto& g : groups) {
       for (const auto& m : g) {
-        const int64_t rows = m.size(0);
-        const int64_t cols = m.size(1);
+        const int64_t rows = m.first.size(0);
+        const int64_t cols = m.first.size(1);
         const int64_t r = std::min<int64_t>({rows, cols, o.rank});
-        factors_.push_back(Factorised{m.unsqueeze(0),
+        factors_.push_back(Factorised{m.first.unsqueeze(0),
                                       pMemory_.narrow(0, pAt, rows * r).view({1, rows, r}),
-                                      qMemory_.narrow(0, qAt, cols * r).view({1, cols, r})});
+                                      qMemory_.narrow(0, qAt, cols * r).view({1, cols, r}),
+                                      m.second});
         pAt += rows * r;
         qAt += cols * r;
       }
     }
+    // Warm start from every factor's last Q (copied: the stored memory stays as it was
+    // until the step's end); drawn afresh for the whole bucket where one has none.
+    bool randomize = !o.warmStart;
+    for (const auto& f : factors_) {
+      if (randomize) {
+        break;
+      }
+      auto known = qs.find(keys_[f.gradient]);
+      if (known != qs.end() && known->second.numel() != f.q.numel()) {
+        HDDP_LOG_INFO("ddp", "PowerSGD: ", keys_[f.gradient], "'s Q memory holds ",
+                      known->second.numel(), " elements, its factor needs ", f.q.numel(),
+                      ": drawn afresh");
+        qs.erase(known);
+        known = qs.end();
+      }
+      randomize = known == qs.end();
+    }
     if (!randomize) {
       for (auto& f : factors_) {
+        f.q.copy_(qs.at(keys_[f.gradient]).reshape(f.q.sizes()));
         orthogonalize(f.q, o.orthogonalizationEpsilon);
       }
     } else if (!factors_.empty()) {
@@ -239,7 +240,8 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       at::bmm_out(f.p, f.matrix, f.q);
     }
     // One collective where the types allow: the whole gradients and P together.
-    wire_ = o.wireType;
+    wire_ = o.wireType == c10::ScalarType::Undefined ? options.dtype().toScalarType()
+                                                     : o.wireType;
     std::vector<at::Tensor> first;
     if (wholeWire_.numel() > 0) {
       first.push_back(wholeWire_);
@@ -322,8 +324,12 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       *m_.stepFinite = false;
     } else {
       if (o.errorFeedback) {
-        // Weighted units: this rank's input less its 1/n part of the reduced sum.
-        (*m_.error)[index_] = inputCopy_ - input_ / static_cast<double>(comm_.size());
+        // Weighted units: this rank's input less its 1/n part of the reduced sum, kept
+        // per parameter (views of one new tensor, never written in place).
+        const at::Tensor left = inputCopy_ - input_ / static_cast<double>(comm_.size());
+        for (size_t i = 0; i < gradients_.size(); ++i) {
+          (*m_.error)[keys_[i]] = left.narrow(0, offsets_[i], gradients_[i].numel());
+        }
       }
       // A Q with an all-zero column (a gradient that was all zero: an unused layer)
       // would keep P and Q zero from then on: drawn afresh instead. Q is the same on every
@@ -333,10 +339,12 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
         zeroColumns.push_back((at::linalg_vector_norm(f.q, 2, at::IntArrayRef{1}) == 0).any());
       }
       const bool zeroColumn = !zeroColumns.empty() && at::stack(zeroColumns).any().item<bool>();
-      if (o.warmStart && !zeroColumn) {
-        (*m_.q)[index_] = qMemory_;
-      } else {
-        m_.q->erase(index_);
+      for (const auto& f : factors_) {
+        if (o.warmStart && !zeroColumn) {
+          (*m_.q)[keys_[f.gradient]] = f.q.reshape({-1});
+        } else {
+          m_.q->erase(keys_[f.gradient]);
+        }
       }
     }
     if (isLast_) {
@@ -354,6 +362,8 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
   int index_;
   bool isLast_;
   at::Tensor input_;
+  std::vector<int64_t> offsets_;
+  std::vector<std::string> keys_;  // each gradient's key in the memories
   at::Tensor inputCopy_;
   at::Tensor addedError_;  // the error memory added into the input (undone on a throw)
   std::vector<at::Tensor> gradients_;
@@ -387,7 +397,11 @@ CommHookResult PowerSgdAccess::hook(const std::shared_ptr<PowerSgdState>& state,
   if (!s.startLogged_) {
     s.startLogged_ = true;
     HDDP_LOG_SHARED("ddp", comm.rank(), "PowerSGD starts at step ", s.step_, " (rank ",
-                    s.options_.rank, ", P and Q sent as ", s.options_.wireType, ")");
+                    s.options_.rank, ", P and Q sent as ",
+                    s.options_.wireType == c10::ScalarType::Undefined
+                        ? std::string("the gradients' type")
+                        : std::string(c10::toString(s.options_.wireType)),
+                    ")");
   }
   PowerSgdMemories memories{&s.options_,       &s.step_,  &s.draws_, &s.elementsBefore_,
                             &s.elementsAfter_, &s.error_, &s.q_,     &s.undo_.finite};
@@ -408,64 +422,6 @@ CommHook powerSgdHook(std::shared_ptr<PowerSgdState> state) {
 
 CommHook powerSgdHook(PowerSgdOptions options) {
   return powerSgdHook(std::make_shared<PowerSgdState>(options));
-}
-
-double timePowerSgdCompute(const std::vector<std::vector<int64_t>>& shapes,
-                           const PowerSgdOptions& options, const c10::Device& device) {
-  HDDP_CHECK_AS(ConfigError, options.rank >= 1 && options.minCompressionRate > 0,
-                "timing PowerSGD needs a rank of at least 1 and a positive minimum compression "
-                "rate, got rank ",
-                options.rank, " and rate ", options.minCompressionRate);
-  const auto type = at::TensorOptions().dtype(at::kFloat).device(device);
-  const auto cpu = at::TensorOptions().dtype(at::kFloat);
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(options.randomSeed);
-  c10::impl::VirtualGuardImpl guard(device.type());
-  auto sync = [&] {
-    if (!device.is_cpu()) {
-      guard.synchronizeDevice(device.index());
-    }
-  };
-  // One gradient at a time (the device holds one matrix's buffers, not the model's):
-  // the fastest of three passes after a warm-up, summed.
-  double total = 0.0;
-  for (const auto& shape : shapes) {
-    if (shape.empty()) {
-      continue;  // a scalar goes whole, as in the hook
-    }
-    int64_t cols = 1;
-    for (size_t k = 1; k < shape.size(); ++k) {
-      cols *= shape[k];
-    }
-    const int64_t rows = shape[0];
-    const int64_t r = std::min<int64_t>({rows, cols, options.rank});
-    if (rows == 0 || cols == 0 ||
-        !(static_cast<double>((rows + cols) * r) * options.minCompressionRate <
-          static_cast<double>(rows * cols))) {
-      continue;
-    }
-    const at::Tensor m = at::randn({1, rows, cols}, generator, cpu).to(type);
-    at::Tensor error = at::zeros({1, rows, cols}, type);
-    at::Tensor p = at::empty({1, rows, r}, type);
-    at::Tensor q = at::randn({1, cols, r}, generator, cpu).to(type);
-    double best = std::numeric_limits<double>::max();
-    for (int pass = 0; pass < 4; ++pass) {
-      sync();
-      const auto t0 = std::chrono::steady_clock::now();
-      const at::Tensor input = m + error;  // error feedback in
-      orthogonalize(q, options.orthogonalizationEpsilon);
-      at::bmm_out(p, input, q);
-      orthogonalize(p, options.orthogonalizationEpsilon);
-      at::bmm_out(q, input.transpose(1, 2), p);
-      at::sub_out(error, input, at::bmm(p, q.transpose(1, 2)));
-      sync();
-      if (pass > 0) {
-        best = std::min(
-            best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-      }
-    }
-    total += best;
-  }
-  return total;
 }
 
 }  // namespace hddp

@@ -26,9 +26,11 @@ PowerSgdState::PowerSgdState(PowerSgdOptions options) : options_(options) {
                 "PowerSgdOptions::orthogonalizationEpsilon must not be negative, got ",
                 options_.orthogonalizationEpsilon);
   HDDP_CHECK_AS(ConfigError,
-                options_.wireType == at::kFloat || options_.wireType == at::kHalf ||
-                    options_.wireType == at::kBFloat16,
-                "PowerSgdOptions::wireType must be Float, Half or BFloat16, got ",
+                options_.wireType == c10::ScalarType::Undefined ||
+                    options_.wireType == at::kFloat || options_.wireType == at::kDouble ||
+                    options_.wireType == at::kHalf || options_.wireType == at::kBFloat16,
+                "PowerSgdOptions::wireType must be Undefined (the gradients' type), Float, "
+                "Double, Half or BFloat16, got ",
                 options_.wireType);
 }
 
@@ -37,44 +39,48 @@ std::vector<std::pair<std::string, at::Tensor>> PowerSgdState::stateDict() const
   out.emplace_back("step", at::tensor(step_, at::kLong));
   out.emplace_back("draws", at::tensor(draws_, at::kLong));
   for (const auto& e : error_) {
-    out.emplace_back("error." + std::to_string(e.first), e.second.cpu().clone());
+    out.emplace_back("error/" + e.first, e.second.cpu().clone());
   }
   for (const auto& q : q_) {
-    out.emplace_back("q." + std::to_string(q.first), q.second.cpu().clone());
+    out.emplace_back("q/" + q.first, q.second.cpu().clone());
   }
   return out;
 }
 
 void PowerSgdState::loadStateDict(const std::vector<std::pair<std::string, at::Tensor>>& state) {
-  std::map<int, at::Tensor> error;
-  std::map<int, at::Tensor> q;
+  std::map<std::string, at::Tensor> error;
+  std::map<std::string, at::Tensor> q;
   int64_t step = step_;
   int64_t draws = draws_;
-  auto bucketOf = [](const std::string& key, size_t prefix) {
-    try {
-      size_t used = 0;
-      const int index = std::stoi(key.substr(prefix), &used);
-      if (used == key.size() - prefix && index >= 0) {
-        return index;
-      }
-    } catch (const std::exception&) {
-    }
-    HDDP_THROW(Error, "PowerSGD state: '", key, "' does not name a bucket");
+  // An earlier hddp's per-bucket memories: "error.<bucket>", "q.<bucket>".
+  auto perBucket = [](const std::string& key, size_t prefix) {
+    return key.size() > prefix &&
+           key.find_first_not_of("0123456789", prefix) == std::string::npos;
   };
+  int dropped = 0;
   for (const auto& item : state) {
     const std::string& key = item.first;
-    if (key == "step") {
-      step = item.second.item<int64_t>();
-    } else if (key == "draws") {
-      draws = item.second.item<int64_t>();
-    } else if (key.rfind("error.", 0) == 0) {
-      error[bucketOf(key, 6)] = item.second;
-    } else if (key.rfind("q.", 0) == 0) {
-      q[bucketOf(key, 2)] = item.second;
+    if (key == "step" || key == "draws") {
+      HDDP_CHECK(item.second.numel() == 1, "PowerSGD state: '", key,
+                 "' holds ", item.second.numel(), " elements, expected one");
+      (key == "step" ? step : draws) = item.second.item<int64_t>();
+    } else if (key.rfind("error/", 0) == 0 && key.size() > 6) {
+      error[key.substr(6)] = item.second;
+    } else if (key.rfind("q/", 0) == 0 && key.size() > 2) {
+      q[key.substr(2)] = item.second;
+    } else if (perBucket(key, 6) && key.rfind("error.", 0) == 0) {
+      ++dropped;
+    } else if (perBucket(key, 2) && key.rfind("q.", 0) == 0) {
+      ++dropped;
     } else {
       HDDP_THROW(Error, "PowerSGD state: unknown key '", key,
-                 "' (expected step, draws, error.<bucket>, q.<bucket>)");
+                 "' (expected step, draws, error/<parameter>, q/<parameter>)");
     }
+  }
+  if (dropped > 0) {
+    HDDP_LOG_WARN("ddp", "PowerSGD state: ", dropped,
+                  " memories kept per bucket (an earlier hddp's state) are dropped: the "
+                  "memories are per parameter now; compression goes on from fresh memories");
   }
   step_ = step;
   draws_ = draws;

@@ -20,7 +20,9 @@ namespace hddp {
 
 namespace {
 
-CompressionSpec specOf(const DdpOptions& ddp) {
+// `gradientBytes`: the size of one gradient element (PowerSGD's factors travel in the
+// gradients' type unless its options name another).
+CompressionSpec specOf(const DdpOptions& ddp, int gradientBytes = 4) {
   CompressionSpec s;
   switch (ddp.compression) {
     case GradCompression::Fp16:
@@ -33,7 +35,9 @@ CompressionSpec specOf(const DdpOptions& ddp) {
       s.kind = CompressionSpec::Kind::PowerSgd;
       s.rank = ddp.powerSgd.rank;
       s.minCompressionRate = ddp.powerSgd.minCompressionRate;
-      s.factorBytes = static_cast<int>(c10::elementSize(ddp.powerSgd.wireType));
+      s.factorBytes = ddp.powerSgd.wireType == c10::ScalarType::Undefined
+                          ? gradientBytes
+                          : static_cast<int>(c10::elementSize(ddp.powerSgd.wireType));
       break;
     default:
       break;
@@ -140,7 +144,10 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
       }
       compute = all[k];
       spec.minCompressionRate = options_.ddp.powerSgd.minCompressionRate;
-      spec.factorBytes = static_cast<int>(c10::elementSize(options_.ddp.powerSgd.wireType));
+      const c10::ScalarType wire = options_.ddp.powerSgd.wireType;
+      spec.factorBytes = wire == c10::ScalarType::Undefined
+                             ? layout.elementBytes  // the gradients' own type
+                             : static_cast<int>(c10::elementSize(wire));
     }
     candidates.push_back(priceCompression(compressionTraffic(spec, layout), layout, link, compute));
   }
@@ -186,7 +193,7 @@ void Trainer::Impl::adoptCompression(const std::string& name) {
 
 void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
   const GradientLayout layout = gradientLayout();
-  const CompressionCost traffic = compressionTraffic(specOf(options_.ddp), layout);
+  const CompressionCost traffic = compressionTraffic(specOf(options_.ddp, layout.elementBytes), layout);
   const AllreducePrediction p = hddp::predictAllreduce(seed, traffic.wireBytes);
   predictedAllreduceSeconds_ = p.seconds;
   predictedPlainAllreduceSeconds_ = hddp::predictAllreduce(seed, layout.bytes()).seconds;

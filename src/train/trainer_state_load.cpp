@@ -78,7 +78,7 @@ void loadPowerSgd(PowerSgdState& state, InputArchive& saved, bool sameGroup, int
   std::vector<std::pair<std::string, at::Tensor>> items;
   bool droppedErrors = false;
   for (const auto& key : archive.keys()) {
-    if (!sameGroup && key.rfind("error.", 0) == 0) {
+    if (!sameGroup && (key.rfind("error/", 0) == 0 || key.rfind("error.", 0) == 0)) {
       droppedErrors = true;
       continue;
     }

@@ -1,19 +1,11 @@
-// PowerSGD (hddp/ddp/power_sgd.h): the same results as PyTorch's own powerSGD_hook on
-// the same inputs; exact weighted results where the rank covers a matrix; its state in
-// and out; a non-finite step kept out of its memories.
+// PowerSGD (hddp/ddp/power_sgd.h): exact weighted results where the rank covers a
+// matrix; its state in and out; a non-finite step kept out of its memories. (Against
+// PyTorch's own hook: power_sgd_vs_pytorch_test.cpp.)
 #include "hddp/ddp/power_sgd.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/torch.h>
-#include <unistd.h>
-
-#include <cstring>
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "hddp/balance/compression_model.h"
 #include "hddp/comm/communicator.h"
@@ -28,119 +20,6 @@ namespace {
 using hddp::testing::makeBucket;
 using hddp::testing::runStep;
 using hddp::testing::runThreads;
-
-int freeLoopbackPort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t length = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
-    ADD_FAILURE() << "no free loopback port: " << std::strerror(errno);
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
-// The reference file power_sgd_reference.py writes: an index and float32 data.
-struct Reference {
-  nlohmann::json index;
-  std::vector<float> data;
-
-  at::Tensor get(const std::string& name) const {
-    const auto& t = index.at("tensors").at(name);
-    const int64_t offset = t.at("offset").get<int64_t>();
-    const int64_t numel = t.at("numel").get<int64_t>();
-    return at::from_blob(const_cast<float*>(data.data()) + offset, {numel}, at::kFloat).clone();
-  }
-};
-
-Reference runPyTorch() {
-  const std::string dir = hddp::testing::makeTempDir();
-  const std::string command = std::string(HDDP_TEST_PYTHON) + " " + HDDP_TEST_SOURCE_DIR +
-                              "/ddp/power_sgd_reference.py " + dir + " " +
-                              std::to_string(freeLoopbackPort());
-  const auto result = hddp::testing::runCommand("timeout 120 " + command);
-  EXPECT_EQ(result.exitCode, 0) << command << "\n" << result.output;
-  Reference r;
-  std::ifstream json(dir + "/reference.json");
-  EXPECT_TRUE(json.good()) << "no reference.json from " << command << "\n" << result.output;
-  if (json.good()) {
-    r.index = nlohmann::json::parse(json);
-  }
-  std::ifstream bin(dir + "/reference.bin", std::ios::binary);
-  std::stringstream bytes;
-  bytes << bin.rdbuf();
-  const std::string blob = bytes.str();
-  r.data.resize(blob.size() / sizeof(float));
-  std::memcpy(r.data.data(), blob.data(), r.data.size() * sizeof(float));
-  return r;
-}
-
-}  // namespace
-
-// PyTorch's powerSGD_hook (the torch wheel, run as a script on 2 Gloo ranks) and hddp's,
-// fed the same gradients and the same starting Q, give the same reduced buckets at
-// every step: 2 plain steps, then 4 compressed ones with error feedback and warm start,
-// two buckets (one with a shape that repeats apart), ranks 1 (Gram-Schmidt) and 3 (QR).
-// PyTorch's hook gets each rank's gradient and averages; DDP hands hddp's the gradient
-// weighted by the rank's share (here 1/2) and sums: the same numbers.
-TEST(PowerSgdVsPyTorch, SameOutputsStepByStepWithErrorFeedbackAndWarmStart) {
-  const Reference ref = runPyTorch();
-  ASSERT_FALSE(ref.index.is_null());
-  const int world = ref.index.at("world").get<int>();
-  const int steps = ref.index.at("steps").get<int>();
-  const auto shapes = ref.index.at("buckets").get<std::vector<std::vector<std::vector<int64_t>>>>();
-  ASSERT_EQ(world, 2);
-  for (const auto& config : ref.index.at("configs")) {
-    const std::string name = config.at("name").get<std::string>();
-    std::vector<double> worst(world, 0.0);
-    runThreads(world, [&](int rank, int size, hddp::Store& store) {
-      auto comm = hddp::makeCommunicator(store, rank, size);
-      hddp::PowerSgdOptions o;
-      o.rank = config.at("rank").get<int>();
-      o.minCompressionRate = config.at("min_rate").get<double>();
-      o.startStep = ref.index.at("start").get<int64_t>();
-      auto state = std::make_shared<hddp::PowerSgdState>(o);
-      const hddp::CommHook hook = hddp::powerSgdHook(state);
-      for (int step = 0; step < steps; ++step) {
-        if (step == o.startStep) {
-          std::vector<std::pair<std::string, at::Tensor>> first;
-          for (size_t b = 0; b < shapes.size(); ++b) {
-            first.emplace_back("q." + std::to_string(b),
-                               ref.get("q0." + name + ".bucket" + std::to_string(b)));
-          }
-          state->loadStateDict(first);
-        }
-        std::vector<hddp::GradBucket> buckets;
-        for (size_t b = 0; b < shapes.size(); ++b) {
-          const std::string key = name + ".step" + std::to_string(step) + ".rank" +
-                                  std::to_string(rank) + ".bucket" + std::to_string(b);
-          buckets.push_back(makeBucket(static_cast<int>(b), b + 1 == shapes.size(), shapes[b],
-                                       ref.get("in." + key) / static_cast<double>(world)));
-        }
-        runStep(hook, *comm, buckets);
-        for (size_t b = 0; b < shapes.size(); ++b) {
-          const std::string key = name + ".step" + std::to_string(step) + ".rank" +
-                                  std::to_string(rank) + ".bucket" + std::to_string(b);
-          const at::Tensor expected = ref.get("out." + key);
-          const double diff = (buckets[b].buffer - expected).abs().max().item<double>() /
-                              (expected.abs().max().item<double>() + 1e-12);
-          worst[rank] = std::max(worst[rank], diff);
-          EXPECT_LT(diff, 1e-4) << key;
-        }
-      }
-      EXPECT_EQ(state->step(), steps);
-      EXPECT_LT(state->elementsAfter(), state->elementsBefore());
-    });
-    std::printf("%s: largest relative difference to PyTorch's hook: %.2e (rank 0), %.2e (rank 1)\n",
-                name.c_str(), worst[0], worst[1]);
-  }
-}
-
-namespace {
 
 struct SmallNetImpl : torch::nn::Module {
   SmallNetImpl() {
@@ -313,6 +192,46 @@ TEST(PowerSgd, LowRankApproximatesAndErrorFeedbackCatchesUp) {
   }
 }
 
+// P and Q travel in the gradients' type unless wireType names another: with a rank that
+// covers the matrix, float64 gradients come back as their exact sum to float64 rounding;
+// cast to float32 on the wire (as the default was) they are off by float32's rounding.
+TEST(PowerSgd, FactorsTravelInTheGradientsTypeByDefault) {
+  const std::vector<std::vector<int64_t>> shapes = {{6, 4}};
+  for (auto wire : {c10::ScalarType::Undefined, at::kFloat}) {
+    std::vector<double> worst(2, 0.0);
+    runThreads(2, [&](int rank, int size, hddp::Store& store) {
+      auto comm = hddp::makeCommunicator(store, rank, size);
+      hddp::PowerSgdOptions o;
+      o.rank = 4;
+      o.minCompressionRate = 0.1;  // compressed although the rank covers it
+      o.startStep = 2;
+      o.wireType = wire;
+      const hddp::CommHook hook = hddp::powerSgdHook(o);
+      for (int step = 0; step < 4; ++step) {
+        auto g = at::Generator(at::make_generator<at::CPUGeneratorImpl>(31 * step + 1));
+        const at::Tensor common = at::randn({24}, g, at::kDouble);
+        const at::Tensor mine = common * (rank == 0 ? 0.25 : 0.75);
+        std::vector<hddp::GradBucket> buckets{makeBucket(0, true, shapes, mine)};
+        runStep(hook, *comm, buckets);
+        if (step >= o.startStep) {
+          EXPECT_EQ(buckets[0].buffer.scalar_type(), at::kDouble);
+          worst[static_cast<size_t>(rank)] = std::max(
+              worst[static_cast<size_t>(rank)],
+              ((buckets[0].buffer - common).abs().max() / common.abs().max()).item<double>());
+        }
+      }
+    });
+    for (double w : worst) {
+      if (wire == c10::ScalarType::Undefined) {
+        EXPECT_LT(w, 1e-12) << "float64 factors on the wire";
+      } else {
+        EXPECT_GT(w, 1e-10) << "float32 on the wire rounds (else this test tells nothing)";
+        EXPECT_LT(w, 1e-5);
+      }
+    }
+  }
+}
+
 // The compression model that --compress auto and what-if price PowerSGD with
 // (hddp/balance/compression_model.h) counts the elements the hook sends: matrices worth
 // compressing as P and Q, the others (a small matrix, biases) whole.
@@ -391,6 +310,13 @@ TEST(PowerSgd, StateRoundTripsAndAMisfitIsDropped) {
     EXPECT_TRUE(at::isfinite(small[0].buffer).all().item<bool>());
     EXPECT_THROW(a->loadStateDict({{"p.0", at::zeros({3})}}), hddp::Error);
     EXPECT_THROW(a->loadStateDict({{"error.x", at::zeros({3})}}), hddp::Error);
+    // An earlier hddp's per-bucket memories are dropped (logged), not misapplied.
+    a->loadStateDict({{"step", at::tensor(int64_t{9})}, {"error.0", at::ones({204})},
+                      {"q.0", at::ones({24})}});
+    for (const auto& item : a->stateDict()) {
+      EXPECT_TRUE(item.first == "step" || item.first == "draws") << item.first;
+    }
+    EXPECT_EQ(a->step(), 9);
   });
 }
 
@@ -416,7 +342,7 @@ TEST(PowerSgd, ANonFiniteStepStaysOutOfTheMemories) {
       EXPECT_EQ(finite, step != 3) << "step " << step;
     }
     for (const auto& item : state->stateDict()) {
-      if (item.first.rfind("error.", 0) == 0 || item.first.rfind("q.", 0) == 0) {
+      if (item.first.rfind("error/", 0) == 0 || item.first.rfind("q/", 0) == 0) {
         EXPECT_TRUE(at::isfinite(item.second).all().item<bool>()) << item.first;
       }
     }
@@ -448,8 +374,13 @@ TEST(PowerSgd, ANonFiniteStepStaysOutOfTheMemories) {
   o.startStep = 1;
   refused(o);
   o = {};
-  o.wireType = at::kDouble;
+  o.wireType = at::kInt;
   refused(o);
+  for (auto wire : {c10::ScalarType::Undefined, at::kDouble, at::kFloat}) {
+    o = {};
+    o.wireType = wire;
+    EXPECT_NO_THROW(hddp::PowerSgdState{o});
+  }
   o = {};
   o.startStep = 1;
   o.errorFeedback = false;

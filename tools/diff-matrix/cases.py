@@ -81,7 +81,7 @@ def _step(rng, norm, world, micro, equal_share=0):
 
 def _compression(rng, kind):
     """DdpOptions::compression: "fp16", "bf16", or "powersgd" with PowerSgdOptions. (A
-    pinned "torch_wire": true is the reference's alone: reference_powersgd.py.)"""
+    pinned "wire": "float32" sends P and Q in float32: PowerSgdOptions::wireType.)"""
     if kind != "powersgd":
         return {"kind": kind}
     return {"kind": kind, "rank": rng.choice([1, 1, 2, 3]), "start": rng.choice([2, 2, 3]),

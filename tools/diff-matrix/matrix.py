@@ -81,41 +81,35 @@ REGRESSIONS = [
     # timeout) or an abort.
     {"seed": 1, "fixed": dict(_CROSSING, dims={"in": 2, "hidden": 6, "out": 3}, loss="mse")},
     # PowerSGD on float64 gradients against torch's powerSGD_hook as it is (P and Q summed
-    # in float64): hddp casts P and Q to float32 for their allreduces
-    # (PowerSgdOptions::wireType defaults to at::kFloat, "as computed", and at::kDouble is
-    # refused), so its steps differ from torch's by ~1e-8 relative even on 2 ranks, where
-    # the drawn cases (reference_powersgd.Float32Wire) agree to 1e-16.
+    # in float64): hddp cast P and Q to float32 for their allreduces (wireType's default
+    # was at::kFloat and at::kDouble was refused), ~1e-8 relative off torch even on 2
+    # ranks. Fixed: P and Q travel in the gradients' type unless wireType names another
+    # (test: PowerSgd.FactorsTravelInTheGradientsTypeByDefault).
     {"seed": 2004, "fixed": dict(_PLAIN, world=2, model="mlp", steps=3,
                                  dims={"in": 6, "hidden": 8, "out": 3},
                                  splits=[[[2, 2]]] * 3, heads=None, loss="mse",
                                  compression={"kind": "powersgd", "rank": 1, "start": 2,
-                                              "error_feedback": True, "warm_start": True, "seed": 7,
-                                              "torch_wire": True}),
-     "xfail": "hddp sends PowerSGD's P and Q as float32 on float64 gradients (wireType kFloat)"},
+                                              "error_feedback": True, "warm_start": True, "seed": 7})},
     # PowerSGD across a save and a resume: the resumed DDP starts from its initial bucket
     # order (reverse registration) and rebuilds after its first step, while the loaded
-    # PowerSgdState (and the memories it makes in that first step) hold the error and Q
-    # memories in the other order, of the same size: added to the wrong elements without
+    # PowerSgdState (and the memories it makes in that first step) held the error and Q
+    # memories per bucket index, of the same size: added to the wrong elements without
     # a word. Activation checkpointing (of the tied block here; of fc2 in mlp) makes the
     # observed order differ from the initial one. (A straight run starts compressing
-    # after the rebuild.)
+    # after the rebuild.) Fixed: the memories are kept per parameter (test:
+    # PowerSgdResume.MemoriesFollowTheirParametersWhenTheBucketsAreLaidOutAnew).
     {"seed": 3001, "fixed": dict(_PLAIN, world=2, model="tied", steps=4, checkpoint=True,
                                  dims={"in": 4, "hidden": 6, "out": 2}, splits=[[[2, 2]]] * 4,
                                  heads=None, loss="mse",
                                  compression={"kind": "powersgd", "rank": 1, "start": 2,
                                               "error_feedback": True, "warm_start": True, "seed": 7},
-                                 resume={"at": 2, "world": 2, "weights": []}),
-     "xfail": "a resumed DDP reorders its bucket after its first step under a loaded PowerSGD state"},
+                                 resume={"at": 2, "world": 2, "weights": []})},
 ]
 
 # Known hddp defects (each with its regression above): a drawn case that matches one and
 # fails is counted KNOWN, not FAIL, so that a run of many seeds reports what is new.
-# (Each entry: (name, predicate over a configuration).)
-KNOWN = [
-    ("PowerSGD memories out of bucket order after a resume (REGRESSIONS, seed 3001)",
-     lambda c: (c["compression"] or {}).get("kind") == "powersgd" and c["resume"] is not None
-     and c["checkpoint"] and c["world"] > 1),
-]
+# (Each entry: (name, predicate over a configuration).) None open.
+KNOWN = []
 
 
 _OFF = {"compression": None, "autocast": False, "resume": None}  # the axes of version 2
@@ -143,6 +137,11 @@ _CI_V2 = [
                 resume={"at": 2, "world": 1})),
     (2010, dict(world=1, model="bn", steps=3, optimizer={"kind": "sgd"}, compression={"kind": "fp16"},
                 autocast=False, resume={"at": 1, "world": 3})),
+    # P and Q cast to float32 for their allreduces (PowerSgdOptions::wireType = kFloat).
+    (2011, dict(world=3, model="mlp", steps=4, compression={"kind": "powersgd", "rank": 2, "start": 2,
+                                                             "error_feedback": True, "warm_start": True,
+                                                             "wire": "float32"},
+                autocast=False, resume=None)),
 ]
 
 
@@ -166,13 +165,13 @@ def ci_list():
 
 
 def tolerance(cfg):
-    """The relative tolerance of a case: RTOL in float64; RTOL_POWERSGD with PowerSGD on
-    3 ranks (P and Q summed in float32, reference_powersgd.py); RTOL_AUTOCAST under bf16
+    """The relative tolerance of a case: RTOL in float64; RTOL_POWERSGD with PowerSGD's P
+    and Q sent in float32 on 3 ranks (reference_powersgd.py); RTOL_AUTOCAST under bf16
     autocast (a float32 model). docs/reliability.md derives them."""
     if cfg.get("autocast"):
         return RTOL_AUTOCAST
     c = cfg.get("compression") or {}
-    if c.get("kind") == "powersgd" and not c.get("torch_wire") and \
+    if c.get("kind") == "powersgd" and c.get("wire") == "float32" and \
             any(cases.world_of(cfg, s) > 2 for s in range(len(cfg["splits"]))):
         return RTOL_POWERSGD
     return RTOL

@@ -17,12 +17,12 @@ equal shares and this module make vanish:
   that everything else that is compared is torch's code. torch draws a number for a
   bucket with nothing to compress too (and discards it); HddpSeeds skips those, as
   hddp does not draw for them.
-- P and Q travel in float32 in hddp (PowerSgdOptions::wireType's default, at::kFloat;
-  at::kDouble is refused), in the gradients' type (float64) in torch. `Float32Wire`
-  casts them for the allreduce as hddp does, so that with 1 or 2 ranks the results agree
-  to float64 rounding (x/2 rounds as x does); with 3 the float32 sums of g_r/3 (hddp)
-  and g_r (torch) round differently, and matrix.py's RTOL_POWERSGD applies. A case with
-  "torch_wire" keeps torch's wire (a regression: hddp's float32 differs from it).
+- P and Q travel in the gradients' type (float64) in both by default. A case with
+  "wire": "float32" has hddp cast them for their allreduces (PowerSgdOptions::wireType
+  = at::kFloat), and `Float32Wire` does the same to torch's, so that with 1 or 2 ranks
+  the results agree to float64 rounding (x/2 rounds as x does); with 3 the float32 sums
+  of g_r/3 (hddp) and g_r (torch) round differently, and matrix.py's RTOL_POWERSGD
+  applies.
 
 Processes: one torch.multiprocessing spawn per world size, each rank training every
 case of that size in turn and rank 0 writing `reference_powersgd.safetensors` (or
@@ -101,8 +101,8 @@ class _Done:
 
 class Float32Wire:
     """torch.distributed as powerSGD_hook sees it, but with P's and Q's allreduces in
-    float32, as hddp sends them (PowerSgdOptions::wireType, at::kFloat by default: the
-    float64 factors are cast, summed in float32 and cast back). Every other call is
+    float32, as hddp sends them with PowerSgdOptions::wireType = at::kFloat (the float64
+    factors are cast, summed in float32 and cast back). Every other call is
     torch.distributed's."""
 
     def __init__(self, state):
@@ -156,9 +156,9 @@ def _train(cfg, tensors, rank, world, lr_scale):
                                use_error_feedback=c["error_feedback"], warm_start=c["warm_start"],
                                orthogonalization_epsilon=0, random_seed=0)
     state.rng = HddpSeeds(c["seed"])
-    # P and Q in float32 as hddp sends them, unless the case asks for torch's wire (the
-    # gradients' type: a regression that shows the difference).
-    psgd.dist = dist if c.get("torch_wire") else Float32Wire(state)
+    # P and Q in the gradients' type (torch's and hddp's default), or in float32 where the
+    # case has hddp send them so.
+    psgd.dist = Float32Wire(state) if c.get("wire") == "float32" else dist
     ddp.register_comm_hook(state, _hook)
     opt = reference.make_optimizer(dict(cfg["optimizer"], lr=cfg["optimizer"]["lr"] * lr_scale), model)
     for s, step in enumerate(cfg["splits"]):

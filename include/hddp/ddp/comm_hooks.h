@@ -33,6 +33,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "hddp/comm/communicator.h"
@@ -42,7 +43,10 @@ namespace hddp {
 
 /// One gradient bucket handed to a communication hook (c10d's GradBucket).
 struct GradBucket {
-  /// The bucket's index; buckets are handed over in index order on every rank.
+  /// The bucket's index; buckets are handed over in index order on every rank. DDP lays
+  /// its buckets out anew after its first step (in the order the gradients became
+  /// ready), so the parameters behind an index may change then: a hook that keeps state
+  /// across steps keys it by `names`, not by the index.
   int index = 0;
   /// The last bucket of the step (c10d's is_last()): a hook that counts steps counts here.
   bool isLast = false;
@@ -53,6 +57,8 @@ struct GradBucket {
   std::vector<at::Tensor> parameters;
   /// Where each parameter's gradient starts in `buffer`, in elements.
   std::vector<int64_t> offsets;
+  /// Each parameter's name in the model (DDP's; empty for a bucket made by hand).
+  std::vector<std::string> names;
 
   /// Each parameter's gradient as a view of `buffer`, shaped as the parameter (c10d's
   /// gradients()): writing into a view writes into the buffer.

@@ -24,8 +24,12 @@
 //   GradScaler will skip) leaves every bucket's error and Q memories as they were before
 //   it; PyTorch's memory would hold inf/NaN from then on. A step abandoned after an
 //   out-of-memory error is undone whole by discardStep(), its count included.
-// - P and Q may travel in float16 or bfloat16 (`wireType`); they are computed and kept
-//   in the gradients' type.
+// - P and Q travel in the gradients' type by default, as PyTorch's; `wireType` may cast
+//   them to another for the allreduces (float16 or bfloat16 halve the bytes); they are
+//   computed and kept in the gradients' type.
+// - The memories are kept per parameter (by its name in the model), not per bucket:
+//   DDP's buckets may be laid out anew (after the first step of a resumed run, whose
+//   state is already compressing) without a memory landing on another parameter.
 // - PyTorch's `batch_tensors_with_same_shape` is not offered (the same result, batched).
 //
 // The GradScaler's scale is not known to the hook: the error memory is in scaled units,
@@ -67,17 +71,20 @@ struct PowerSgdOptions {
   double orthogonalizationEpsilon = 0.0;
   /// The seed of the random starting Q; the same on every rank.
   uint64_t randomSeed = 0;
-  /// P and Q on the wire: at::kFloat (as computed), at::kHalf or at::kBFloat16.
-  c10::ScalarType wireType = at::kFloat;
+  /// P and Q on the wire: c10::ScalarType::Undefined (the default) sends them in the
+  /// gradients' own type, as computed; at::kFloat, at::kDouble, at::kHalf or
+  /// at::kBFloat16 casts them to that type for their allreduces.
+  c10::ScalarType wireType = c10::ScalarType::Undefined;
 };
 
-/// The hook's state: options, the step count, and per bucket the error memory and
+/// The hook's state: options, the step count, and per parameter the error memory and
 /// the Q memory. Shared by the hook (which owns a reference) and the caller, which may
 /// save and load it. Used from DDP's backward and its end; not thread-safe otherwise.
 class PowerSgdState {
  public:
   /// ConfigError for an option out of range (rank < 1, startStep <= 1 with error
-  /// feedback or warm start, a wire type other than Float, Half, BFloat16).
+  /// feedback or warm start, a wire type other than Undefined, Float, Double, Half,
+  /// BFloat16).
   explicit PowerSgdState(PowerSgdOptions options = {});
 
   const PowerSgdOptions& options() const { return options_; }
@@ -89,12 +96,15 @@ class PowerSgdState {
   int64_t elementsBefore() const { return elementsBefore_; }
   int64_t elementsAfter() const { return elementsAfter_; }
 
-  /// The state for a state file: "step", "draws", "error.<bucket>", "q.<bucket>" (CPU
-  /// copies). The error memories are this rank's own.
+  /// The state for a state file: "step", "draws", "error/<parameter>", "q/<parameter>"
+  /// (CPU copies; <parameter> is GradBucket::names' entry, or "<bucket>.<position>" for
+  /// a bucket without names). The error memories are this rank's own.
   std::vector<std::pair<std::string, at::Tensor>> stateDict() const;
-  /// Loads what stateDict() wrote. A memory whose size no longer fits its bucket (other
-  /// buckets, another model) is dropped with a log line when the bucket is next seen.
-  /// Error for a key it does not know.
+  /// Loads what stateDict() wrote. A memory whose size no longer fits its parameter
+  /// (another model) is dropped with a log line when the parameter is next seen. The
+  /// per-bucket memories of an earlier hddp ("error.<bucket>", "q.<bucket>") are dropped
+  /// with a log line (compression goes on from fresh memories). Error for a key it does
+  /// not know.
   void loadStateDict(const std::vector<std::pair<std::string, at::Tensor>>& state);
   /// Drops the error and Q memories (the step count stays), logging `why`: for a new
   /// membership whose ranks no longer hold the memories they made.
@@ -122,8 +132,8 @@ class PowerSgdState {
     bool finite = true;     // every bucket of the step so far reduced to finite values
     int64_t step = 0;
     int64_t draws = 0;
-    std::map<int, at::Tensor> error;
-    std::map<int, at::Tensor> q;
+    std::map<std::string, at::Tensor> error;
+    std::map<std::string, at::Tensor> q;
     bool startLogged = false;
   };
   void beginStep();
@@ -132,8 +142,8 @@ class PowerSgdState {
   PowerSgdOptions options_;
   int64_t step_ = 0;
   int64_t draws_ = 0;  // random starting Qs drawn so far (the seed of the next)
-  std::map<int, at::Tensor> error_;
-  std::map<int, at::Tensor> q_;
+  std::map<std::string, at::Tensor> error_;  // by parameter (see stateDict())
+  std::map<std::string, at::Tensor> q_;
   int64_t elementsBefore_ = 0;
   int64_t elementsAfter_ = 0;
   bool startLogged_ = false;

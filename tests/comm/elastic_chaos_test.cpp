@@ -2,7 +2,8 @@
 // faults of mixed kinds through HDDP_FAULT (kills, a failed collective, a rank that runs
 // slow), each in its own generation, and must end with exit code 0, every sample of
 // every epoch trained, the same steps as an undisturbed run, and the job record counting
-// the steps trained twice. Bounded by ctest's timeout; no speed is required.
+// the steps trained twice. And a rank that hangs is timed out by its peer and the group
+// restarts. Bounded by ctest's timeout; no speed is required.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,6 +91,23 @@ TEST(Elastic, FiveFaultsOfMixedKindsLoseNoSampleAndTheRecordCountsTheRepeats) {
   auto same =
       runCommand(worker() + " same-params " + chaos + "/final.pt " + straight + "/final.pt");
   EXPECT_EQ(same.exitCode, 0) << same.output;
+}
+
+// A rank that hangs (HDDP_FAULT hang@step=5 on rank 1: it sleeps before the step's
+// forward and never sends) is found by its peer's collective timeout (HDDP_TIMEOUT_SEC=5):
+// rank 0's allreduce fails, hddp-run stops the group, the hung rank with it, and the
+// restarted group (the fault acts in the first attempt only) trains the epoch through.
+TEST(Elastic, AHungRankIsTimedOutByItsPeerAndTheRestartedGroupTrains) {
+  const std::string dir = hddp::testing::makeTempDir();
+  auto r = runCommand("HDDP_FAULT='hang@step=5,rank=1' HDDP_TIMEOUT_SEC=5 " + launcher() +
+                      " --nproc-per-node 2 --max-restarts 1 --grace-period 2 -- " + worker() +
+                      " elastic-train " + dir + " - 1 0");
+  EXPECT_EQ(r.exitCode, 0) << r.output;
+  EXPECT_NE(r.output.find("injecting 'hang@step=5,rank=1'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restarting the group"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("trained 30 steps"), std::string::npos) << r.output;
+  // Bounded by the timeout, not by the hang (an hour): the group did not wait it out.
+  EXPECT_LT(r.seconds, 240.0) << r.output;
 }
 
 }  // namespace

@@ -88,7 +88,7 @@ target_include_directories(hddp_cli INTERFACE "${PROJECT_SOURCE_DIR}/cli")
 target_link_libraries(hddp_cli INTERFACE ${HDDP_CLI11_TARGET})
 set(HDDP_CLI11_TARGET hddp_cli)
 
-# nlohmann-json (metrics, timeline) and stb (image decoding): header-only, private to
+# nlohmann-json (metrics, timeline) and stb (GIF, BMP, TGA decoding): header-only, private to
 # libhddp. zlib reads .gz datasets; without it, gzip files are refused with a message.
 if(HDDP_DEVICE_DEPS)
   set(HDDP_JSON_TARGET hddp_dep_headers)
@@ -105,6 +105,23 @@ else()
   set(HDDP_STB_TARGET hddp_dep_stb)
 endif()
 find_package(ZLIB QUIET)
+# libpng and libjpeg-turbo decode PNG and JPEG (src/data/image_png.cpp, image_jpeg.cpp;
+# private to libhddp). Required, except on a GPU machine without package access
+# (HDDP_DEVICE_DEPS), where PNG and JPEG fall back to stb_image
+# (src/data/image_png_jpeg_stb.cpp).
+find_package(PNG QUIET)
+find_package(JPEG QUIET)
+if(PNG_FOUND AND JPEG_FOUND)
+  set(HDDP_IMAGE_CODECS ON)
+elseif(HDDP_DEVICE_DEPS)
+  set(HDDP_IMAGE_CODECS OFF)
+  message(WARNING "libpng or libjpeg not found: PNG and JPEG are decoded by stb_image, which "
+                  "has open faults on crafted files (docs/development.md, \"Fuzzing\"). "
+                  "On Debian: apt-get install libpng-dev libjpeg62-turbo-dev")
+else()
+  message(FATAL_ERROR "libpng or libjpeg not found (PNG: ${PNG_FOUND}, JPEG: ${JPEG_FOUND}): "
+                      "apt-get install libpng-dev libjpeg62-turbo-dev (scripts/setup.sh does)")
+endif()
 # protobuf-lite and protoc (TensorBoard's event files, private to libhddp). Without them
 # hddp still builds and a TensorBoard folder is refused with what to install.
 find_package(Protobuf QUIET)

@@ -119,6 +119,7 @@ def image_seeds():
         "rgb.jpg": (rgb, "JPEG", {"quality": 90}),
         "progressive.jpg": (rgb, "JPEG", {"progressive": True}),
         "gray.jpg": (mask, "JPEG", {}),
+        "cmyk.jpg": (rgb.convert("CMYK"), "JPEG", {"quality": 90}),
         "rgb.bmp": (rgb, "BMP", {}),
         "rgb.tga": (rgb, "TGA", {}),
         "rle.tga": (rgb, "TGA", {"compression": "tga_rle"}),

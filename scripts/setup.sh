@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what hddp needs on Debian 12, only what is missing (idempotent):
 #   - Debian packages: compilers and tools, spdlog, fmt, CLI11, nlohmann-json, stb, zlib,
+#     libpng and libjpeg-turbo (PNG and JPEG decoding),
 #     GoogleTest, protobuf (TensorBoard's event files), ccache, Ninja, Fashion-MNIST, Slurm and MUNGE (the engines test),
 #     clang with its runtimes (libFuzzer and the sanitizers: the fuzz targets, scripts/fuzz.sh);
 #   - the torch wheel (LibTorch, pinned to the GPU machine's 2.11.0) in a virtual
@@ -17,6 +18,7 @@ TENSORBOARD_VERSION=2.21.0
 VENV=${HDDP_VENV:-/opt/hddp-venv}
 APT_PACKAGES=(build-essential cmake ninja-build ccache git python3 python3-venv
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libstb-dev zlib1g-dev
+  libpng-dev libjpeg62-turbo-dev
   libgtest-dev libprotobuf-dev protobuf-compiler dataset-fashion-mnist slurmctld slurmd slurm-client munge
   clang libclang-rt-dev)
 

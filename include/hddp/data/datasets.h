@@ -78,10 +78,10 @@ std::shared_ptr<ImageClassificationDataset> loadMnist(const std::string& dir, Sp
 /// `dir`/cifar-10-batches-bin.
 std::shared_ptr<ImageClassificationDataset> loadCifar10(const std::string& dir, Split split);
 
-/// Class-per-subfolder images (PNG, JPEG, BMP, ...; decoded with stb in the loader's
-/// workers). Classes are the subfolder names in sorted order. Every image is resized to
-/// `size` x `size` (bilinear) unless size is 0 (then all must share one size) and
-/// converted to `channels` (1 or 3).
+/// Class-per-subfolder images (PNG, JPEG, BMP, ...; decoded by decodeImage in the
+/// loader's workers). Classes are the subfolder names in sorted order. Every image is
+/// resized to `size` x `size` (bilinear) unless size is 0 (then all must share one size)
+/// and converted to `channels` (1 or 3).
 class ImageFolderDataset : public Dataset {
  public:
   ImageFolderDataset(const std::string& dir, int channels, int size);
@@ -103,20 +103,22 @@ class ImageFolderDataset : public Dataset {
   ImageTransform transform_;
 };
 
-/// What decodeImage refuses before stb_image allocates anything for an image: image files
-/// come from outside (DESIGN.md, "Readers of outside bytes are bounded").
+/// What decodeImage refuses before its decoder allocates anything for an image's pixels:
+/// image files come from outside (DESIGN.md, "Readers of outside bytes are bounded").
 struct ImageLimits {
-  /// Width x height at most. Default 2^28 (16384 x 16384, 256 MiB a channel): stb_image
-  /// holds up to 8 bytes a pixel while it decodes (16-bit RGBA PNG) and refuses a buffer
-  /// past 2 GiB itself.
+  /// Width x height at most. Default 2^28 (16384 x 16384, 256 MiB a channel): a decoder
+  /// holds up to 8 bytes a pixel (16-bit RGBA PNG) besides the result, 2 GiB at this limit.
   int64_t maxPixels = int64_t{1} << 28;
 };
 
-/// Decodes an image file (PNG, JPEG, GIF, BMP, TGA, PGM/PPM) with stb_image into uint8
-/// [channels, H, W]. hddp::DataError naming the file and what is wrong when it cannot be
-/// decoded, and before decoding when it is larger than `limits`, claims more pixels than
-/// its bytes can describe in its format, or is a JPEG whose Huffman table counts more than
-/// 256 codes (Debian's stb_image 2.27 writes past its table then).
+/// Decodes an image file into uint8 [channels, H, W] (channels 1 or 3), by what its first
+/// bytes say: PNG with libpng, JPEG with libjpeg-turbo (its defaults, as Pillow decodes),
+/// binary PGM/PPM (P5/P6) with hddp's own reader (samples not scaled by maxval; 16-bit
+/// samples keep their high byte), GIF, BMP and TGA with stb_image. Channels are converted as stb_image converts them: gray to RGB by copying,
+/// RGB to gray as (77 R + 150 G + 29 B) >> 8 (a YCbCr JPEG gives its Y plane), alpha
+/// dropped. hddp::DataError naming the file and what is wrong when it cannot be decoded,
+/// and before decoding when it is larger than `limits` or claims more pixels than its
+/// bytes can describe in its format. Thread-safe: any number of calls at once.
 at::Tensor decodeImage(const std::string& path, int channels, const ImageLimits& limits = {});
 
 /// Learnable synthetic classification: each class is a fixed random pattern, each
@@ -158,10 +160,10 @@ class SyntheticShapesDataset : public Dataset {
   int channels_;
 };
 
-/// Image/mask folder pairs: `dir`/images/NAME.png and `dir`/masks/NAME.png (any stb
-/// format; the mask is matched by file stem). Mask pixels are class ids (0..K-1); a
-/// mask that only holds 0 and 255 is read as binary (255 -> 1). Images are resized to
-/// `size` (bilinear; masks nearest) unless 0.
+/// Image/mask folder pairs: `dir`/images/NAME.png and `dir`/masks/NAME.png (any format
+/// decodeImage reads; the mask is matched by file stem). Mask pixels are class ids
+/// (0..K-1); a mask that only holds 0 and 255 is read as binary (255 -> 1). Images are
+/// resized to `size` (bilinear; masks nearest) unless 0.
 class SegmentationFolderDataset : public Dataset {
  public:
   SegmentationFolderDataset(const std::string& dir, int channels, int size);

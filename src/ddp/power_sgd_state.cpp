@@ -16,8 +16,8 @@ PowerSgdState::PowerSgdState(PowerSgdOptions options) : options_(options) {
   HDDP_CHECK_AS(ConfigError,
                 options_.startStep > 1 || !(options_.errorFeedback || options_.warmStart),
                 "PowerSgdOptions::startStep must be at least 2 with error feedback or warm "
-                "start (DDP rebuilds its buckets after the first step, which would misplace "
-                "the memories), got ",
+                "start (PyTorch's rule: DDP lays its buckets out anew after the first step, "
+                "and a hook's buckets made by hand have no names to key memories by), got ",
                 options_.startStep);
   HDDP_CHECK_AS(ConfigError, options_.minCompressionRate > 0,
                 "PowerSgdOptions::minCompressionRate must be positive, got ",
@@ -63,7 +63,12 @@ void PowerSgdState::loadStateDict(const std::vector<std::pair<std::string, at::T
     if (key == "step" || key == "draws") {
       HDDP_CHECK(item.second.numel() == 1, "PowerSGD state: '", key,
                  "' holds ", item.second.numel(), " elements, expected one");
-      (key == "step" ? step : draws) = item.second.item<int64_t>();
+      const int64_t value = item.second.item<int64_t>();
+      // The count of drawn Qs seeds the next draw by advancing a generator that far:
+      // bounded, so a damaged file cannot stall every rank at its first draw.
+      HDDP_CHECK(value >= 0 && (key == "step" || value <= (int64_t{1} << 32)),
+                 "PowerSGD state: '", key, "' is ", value, ", out of range (a damaged state?)");
+      (key == "step" ? step : draws) = value;
     } else if (key.rfind("error/", 0) == 0 && key.size() > 6) {
       error[key.substr(6)] = item.second;
     } else if (key.rfind("q/", 0) == 0 && key.size() > 2) {

@@ -63,8 +63,13 @@ std::vector<std::pair<std::string, std::string>> collectiveShapingOptions(const 
       {"ddp.broadcastOnConstruction", text(d.broadcastOnConstruction)},
       {"ddp.bufferSync", text(static_cast<int>(d.bufferSync)) + "/" + text(d.bufferSyncInterval)},
       {"ddp.compression", text(static_cast<int>(d.compression))},
+      // Each of them changes what a rank sends or the numbers it sends them with: which
+      // gradients are factorised (minCompressionRate), the starting Qs (randomSeed), P's
+      // orthogonalisation (epsilon).
       {"ddp.powerSgd", text(s.rank) + "/" + text(s.startStep) + "/" + text(s.errorFeedback) + "/" +
-                           text(s.warmStart) + "/" + text(static_cast<int>(s.wireType))},
+                           text(s.warmStart) + "/" + text(static_cast<int>(s.wireType)) + "/" +
+                           text(s.minCompressionRate) + "/" + text(s.randomSeed) + "/" +
+                           text(s.orthogonalizationEpsilon)},
       {"ddp.commHook", d.commHook ? "set" : "none"},
   };
 }

@@ -421,12 +421,10 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
         names.push_back(name);
       }
       if (!detail::DdpAccess::adoptBucketOrder(*parts.ddp, names)) {
+        // PowerSGD's memories are per parameter: they still fit where the shapes do.
         HDDP_LOG_SHARED("train", parts.comm.rank(), path,
                         ": its bucket order does not name this model's parameters; DDP keeps "
                         "its own");
-        if (adopted.powerSgd) {  // its per-bucket memories were made for the saved buckets
-          adopted.powerSgd->resetMemories("the saved buckets are not this model's");
-        }
       }
     }
   });

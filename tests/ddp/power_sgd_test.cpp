@@ -310,6 +310,8 @@ TEST(PowerSgd, StateRoundTripsAndAMisfitIsDropped) {
     EXPECT_TRUE(at::isfinite(small[0].buffer).all().item<bool>());
     EXPECT_THROW(a->loadStateDict({{"p.0", at::zeros({3})}}), hddp::Error);
     EXPECT_THROW(a->loadStateDict({{"error.x", at::zeros({3})}}), hddp::Error);
+    EXPECT_THROW(a->loadStateDict({{"draws", at::tensor(int64_t{1} << 40)}}), hddp::Error);
+    EXPECT_THROW(a->loadStateDict({{"step", at::tensor(int64_t{-1})}}), hddp::Error);
     // An earlier hddp's per-bucket memories are dropped (logged), not misapplied.
     a->loadStateDict({{"step", at::tensor(int64_t{9})}, {"error.0", at::ones({204})},
                       {"q.0", at::ones({24})}});

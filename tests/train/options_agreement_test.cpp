@@ -60,4 +60,15 @@ TEST(OptionsAgreement, AnotherBufferSyncIntervalIsAnErrorOnEveryRank) {
   }
 }
 
+// PowerSGD's seed picks the starting Qs that every rank multiplies its gradient by
+// before the sum: another seed on one rank would sum products of different Qs.
+TEST(OptionsAgreement, AnotherPowerSgdSeedIsAnErrorOnEveryRank) {
+  const auto errors = agree([](int rank, hddp::TrainerOptions& o) {
+    o.ddp.powerSgd.randomSeed = static_cast<uint64_t>(rank);
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("TrainerOptions::ddp.powerSgd"), std::string::npos) << e;
+  }
+}
+
 }  // namespace

@@ -267,7 +267,12 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   if (autoCompress) {
     ddpOptions.compression = GradCompression::None;
   }
-  emulator_ = std::make_unique<Emulator>(emulation, rank);
+  Emulator::Clocks clocks;  // empty: the steady clock and the thread's time queued
+  if (options_.measurementClock.now) {
+    // A clock of one's own has no time queued for a core.
+    clocks = {options_.measurementClock.now, [] { return -1.0; }};
+  }
+  emulator_ = std::make_unique<Emulator>(emulation, rank, options_.measurementClock.sleep, clocks);
   if (emulation.slowdown != 1.0) {
     // An emulated slower card sends each bucket when it would have computed it: its
     // stretched backward overlaps the allreduce as a real one does.

@@ -17,18 +17,25 @@
 #include <thread>
 #include <vector>
 
+#include "hddp/balance/batch_plan.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
 #include "hddp/train/trainer.h"
 #include "support/ranks.h"
 #include "support/trainer_runs.h"
+#include "support/virtual_time.h"
 
 using hddp::testing::Net;
 using hddp::testing::runThreads;
 using hddp::testing::trainRun;
 
+// Rank 1 emulated 4x slower, on virtual clocks (support/virtual_time.h): the model's
+// forward costs 0.3 ms a sample on each rank's clock, rank 1's emulator stretches that by
+// 4 (its sleeps advance the clock), and the planner learns exactly those costs, however
+// slow or loaded the machine: its split is the solver's for them, [26, 6] of 32.
 TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
+  constexpr double kSecondsPerSample = 3e-4;
   std::vector<std::vector<int64_t>> plans(2);
   const std::string dir = hddp::testing::makeTempDir();
   runThreads(2, [&](int rank, int size, hddp::Store& store) {
@@ -41,41 +48,67 @@ TEST(Trainer, PlannerGivesTheEmulatedSlowRankLess) {
     o.progress = hddp::ProgressMode::Off;
     o.planner.rebalanceEvery = 3;
     o.timelinePath = dir + "/timeline.json";
+    o.metricsPath = dir + "/m.jsonl";
     hddp::EmulationOptions slow;
     slow.slowdown = rank == 1 ? 4.0 : 1.0;
     o.emulation = slow;
+    auto clock = std::make_shared<hddp::testing::VirtualClock>();
+    hddp::testing::measureOn(clock, o);
     auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(640, 1, 8, 4);
-    // Compute that grows with the batch, not with the shared CPU's load: 0.3 ms per
-    // sample (a sleep) besides the tiny model.
-    auto forward = [&model](const at::Tensor& x) {
-      std::this_thread::sleep_for(std::chrono::microseconds(300 * x.size(0)));
+    auto forward = [&model, clock](const at::Tensor& x) {
+      clock->advance(kSecondsPerSample * static_cast<double>(x.size(0)));
       return model->forward(x);
     };
     hddp::Trainer trainer(*comm, model.ptr(), forward, hddp::crossEntropy(), opt, ds, o);
     trainer.fit();
     plans[rank] = trainer.planner()->plan().local;
   });
-  EXPECT_EQ(plans[0], plans[1]);  // every rank derived the same plan
-  EXPECT_GT(plans[0][0], 2 * plans[0][1]) << "plan [" << plans[0][0] << ", " << plans[0][1] << "]";
+  std::vector<hddp::RankCost> costs(2);
+  costs[0].secondsPerSample = kSecondsPerSample;
+  costs[1].secondsPerSample = 4 * kSecondsPerSample;
+  const auto expected = hddp::solveSplit(costs, 32).local;
+  ASSERT_EQ(expected, (std::vector<int64_t>{26, 6}));
+  EXPECT_EQ(plans[0], expected) << "plan [" << plans[0][0] << ", " << plans[0][1] << "]";
+  EXPECT_EQ(plans[1], plans[0]);  // every rank derived the same plan
+  // What each rank handed the planner, step by step: its compute, stretched by 4 on
+  // rank 1 from its first step on (there being no estimate before it, the step is
+  // stretched by what it measured), so the calibration sees its emulated speed; the
+  // extra time is in the record as emulated_s, on rank 1 only.
+  for (int rank : {0, 1}) {
+    std::ifstream in(dir + (rank == 0 ? "/m.jsonl" : "/m.rank1.jsonl"));
+    int steps = 0;
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.value("kind", "") != "step") {
+        continue;
+      }
+      ++steps;
+      const auto b = static_cast<double>(j.at("local_batch").get<int64_t>());
+      const double slowdown = rank == 1 ? 4.0 : 1.0;
+      EXPECT_NEAR(j.at("compute_s").get<double>(), slowdown * kSecondsPerSample * b, 1e-9)
+          << "rank " << rank << ": " << line;
+      EXPECT_NEAR(j.value("emulated_s", 0.0), (slowdown - 1) * kSecondsPerSample * b, 1e-9)
+          << "rank " << rank << ": " << line;
+    }
+    EXPECT_EQ(steps, 12) << "rank " << rank;
+  }
   // The planner's allgathers (after the 3 calibration steps, then every 3) are on the
-  // communication track of the timeline, for every rank.
+  // communication track of the timeline, for every rank; rank 1's emulator measured its
+  // first step (step 0), rank 0 has no emulator at work.
   std::ifstream in(dir + "/timeline.json");
   auto trace = nlohmann::json::parse(in);
   std::map<int, int> exchanges;
-  std::map<int, double> firstStepDelay;  // emulated microseconds in step 0, per rank
+  std::map<int, int> firstStepEmulated;
   for (const auto& e : trace.at("traceEvents")) {
     if (e.at("ph") == "X" && e.at("name") == "plan exchange") {
       ++exchanges[e.at("pid").get<int>()];
     }
     if (e.at("ph") == "X" && e.at("name") == "emulated delay" && e.at("args").at("step") == 0) {
-      firstStepDelay[e.at("pid").get<int>()] += e.at("dur").get<double>();
+      ++firstStepEmulated[e.at("pid").get<int>()];
     }
   }
   EXPECT_EQ(exchanges, (std::map<int, int>{{0, 4}, {1, 4}}));
-  // The slow rank is slowed from its first step on (stretched after the fact, there
-  // being no estimate before it), so the calibration sees its emulated speed.
-  EXPECT_GT(firstStepDelay[1], 100.0);
-  EXPECT_EQ(firstStepDelay.count(0), 0u);
+  EXPECT_EQ(firstStepEmulated, (std::map<int, int>{{1, 1}}));
 }
 
 // A rank 60 times slower than the other (a CPU rank next to a GPU): the planner gives it

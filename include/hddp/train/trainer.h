@@ -176,6 +176,20 @@ struct TrainerOptions {
   /// would count the wait for a slower rank as compute). Give one for a device hddp has
   /// no timer for, or in tests.
   std::function<std::unique_ptr<StepTimer>(const c10::Device&)> stepTimer;
+  /// The other times the planner learns from, for tests and simulations (as budgetClock
+  /// is for the time budget): `now` (seconds from any fixed origin) times the seed's
+  /// forward passes and an emulated slower card's marks; `sleep` waits out the
+  /// emulator's extra time. A test whose model advances a clock of its own by a known
+  /// time per sample, read here and by its stepTimer, gets the same plans on any
+  /// machine, loaded or not (tests/support/virtual_time.h). Both are called on the
+  /// training thread and, for the bucket marks, on autograd's, one at a time. Empty: the
+  /// steady clock (the emulator then leaves out the time the thread waited for a core)
+  /// and a real sleep.
+  struct MeasurementClock {
+    std::function<double()> now;
+    Emulator::Sleep sleep;
+  };
+  MeasurementClock measurementClock;
 
   static PlannerSettings defaultPlannerSettings() {
     PlannerSettings p;

@@ -11,7 +11,6 @@
 #     --no-build        run what DIR holds (ctest -L fuzz does this)
 #     --keep-going      fork mode: go on after a finding (-fork=1 -ignore_crashes=1 ...) to
 #                       collect several; each one still ends up in DIR/findings/<target>/
-#     --replay-only TARGET  replay TARGET's kept inputs, fuzz it no further (repeatable)
 #
 # Environment: CC/CXX (default clang/clang++), HDDP_FUZZ_JOBS (build jobs, default 2),
 # HDDP_BUILD_LOCK (a file: builds run under flock on it), HDDP_FUZZ_ARGS (more libFuzzer flags),
@@ -24,7 +23,6 @@ library="$repo/${HDDP_BUILD_DIR:-build}/src/libhddp.so"
 only=()
 do_build=1
 keep_going=0
-replay_only=()
 seconds=30
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -33,8 +31,7 @@ while [[ $# -gt 0 ]]; do
     --only) only+=("$2"); shift 2 ;;
     --no-build) do_build=0; shift ;;
     --keep-going) keep_going=1; shift ;;
-    --replay-only) replay_only+=("$2"); shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     [0-9]*) seconds="$1"; shift ;;
     *) echo "fuzz.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -112,10 +109,6 @@ for t in "${targets[@]}"; do
         failed=1
       fi
     done
-  fi
-  if [[ " ${replay_only[*]} " == *" $t "* ]]; then
-    summary+=("$(printf '%-28s %s' "$t" "kept inputs replayed, not fuzzed: $result")")
-    continue
   fi
   # LibTorch's zip reader leaks on each file it refuses (fuzz/lsan.supp), and a leak makes
   # libFuzzer run a whole LeakSanitizer pass for that input: 150 inputs/s instead of 7,000.

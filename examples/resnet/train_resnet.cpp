@@ -6,8 +6,8 @@
 //   srun --ntasks-per-node 4 ./build/examples/resnet/train_resnet --dataset cifar10 --data DIR
 //
 // Datasets: Fashion-MNIST / MNIST (IDX, .gz or not), CIFAR-10 (binary version), a folder
-// of class subfolders (PNG/JPEG/BMP via stb), or synthetic patterns. Every epoch ends
-// with the test accuracy and loss, evaluated in shards on all ranks.
+// of class subfolders (PNG, JPEG, BMP, ...: hddp::decodeImage), or synthetic patterns.
+// Every epoch ends with the test accuracy and loss, evaluated in shards on all ranks.
 #include <hddp/hddp.h>
 #include <torch/torch.h>
 

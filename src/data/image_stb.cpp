@@ -1,8 +1,9 @@
 // GIF, BMP and TGA through stb_image (image_decode.h): Debian's libstb-dev (2.27), with
 // every loader hddp does not use compiled out (PNG, JPEG and PGM/PPM have decoders of
 // their own; PSD, HDR and PIC are not read) and its functions static, not exported from
-// libhddp. 300 s and more of fuzzing found no fault in these three loaders beyond the
-// size of the canvas a header claims, which is checked first (checkImagePixels).
+// libhddp. 17.5 minutes of fuzz_image (2026-12-07) found no fault in these three
+// loaders but the size a header claims (finding 16: a top-down BMP's negative height),
+// which is checked first (checkImagePixels, on the sizes' absolute values).
 #include <ATen/core/Tensor.h>
 
 #include <cstdlib>

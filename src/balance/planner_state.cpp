@@ -51,10 +51,15 @@ at::Tensor doubles(const std::vector<double>& v) {
   return at::tensor(v.empty() ? std::vector<double>{} : v, at::kDouble);
 }
 
-at::Tensor readEntry(torch::serialize::InputArchive& archive, const char* key) {
+// An entry of the type save() writes it in (the file's bytes choose the type: a damaged
+// or crafted one is a StateError, not a read of other-typed memory).
+at::Tensor readEntry(torch::serialize::InputArchive& archive, const char* key,
+                     at::ScalarType type) {
   at::Tensor t;
   HDDP_CHECK_AS(StateError, archive.try_read(key, t), "the planner's state has no '", key,
                 "' (written by another program or an incompatible hddp version?)");
+  HDDP_CHECK_AS(StateError, t.scalar_type() == type, "the planner's '", key, "' holds ",
+                t.scalar_type(), ", not ", type, " (the state file is damaged or not hddp's)");
   return t.contiguous();
 }
 
@@ -89,7 +94,7 @@ void BatchPlanner::save(torch::serialize::OutputArchive& shared,
 void BatchPlanner::load(torch::serialize::InputArchive& shared,
                         torch::serialize::InputArchive& own) {
   State state;
-  const at::Tensor plan = readEntry(shared, "plan");
+  const at::Tensor plan = readEntry(shared, "plan", at::kLong);
   state.plan.local.assign(plan.data_ptr<int64_t>(), plan.data_ptr<int64_t>() + plan.numel());
   state.plan.global = options_.globalBatch;
   // Each rank's loader takes its share as a batch size: a share beyond the global batch
@@ -103,10 +108,10 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
   HDDP_CHECK_AS(StateError, split && sum == options_.globalBatch, "the planner's saved plan ",
                 c10::IntArrayRef(state.plan.local), " does not split the global batch of ",
                 options_.globalBatch, " (the state file is damaged or not hddp's)");
-  const at::Tensor step = readEntry(shared, "step");
+  const at::Tensor step = readEntry(shared, "step", at::kLong);
   HDDP_CHECK_AS(StateError, step.numel() == 1, "the planner's state has a malformed step");
   state.step = step.item<int64_t>();
-  const at::Tensor window = readEntry(own, "window");
+  const at::Tensor window = readEntry(own, "window", at::kDouble);
   HDDP_CHECK_AS(StateError, window.dim() == 2 && window.size(1) == 5,
                 "the planner's measurement window has shape ", window.sizes(),
                 ", not [steps, 5] (written by an older hddp?)");
@@ -125,7 +130,7 @@ void BatchPlanner::loadRemapped(torch::serialize::InputArchive& shared,
                 "loadRemapped: a saved rank for each of the ", comm_.size(), " ranks, not ",
                 fromSaved.size());
   const std::vector<RankCost> saved = readCosts(shared);
-  const at::Tensor step = readEntry(shared, "step");
+  const at::Tensor step = readEntry(shared, "step", at::kLong);
   HDDP_CHECK_AS(StateError, step.numel() == 1, "the planner's state has a malformed step");
   // A newcomer is costed at the mean of the others (or its seed) until it is measured.
   double perSample = 0;
@@ -158,7 +163,7 @@ void BatchPlanner::loadRemapped(torch::serialize::InputArchive& shared,
   }
   std::vector<RankEstimator::Sample> window;
   if (own) {
-    const at::Tensor w = readEntry(*own, "window");
+    const at::Tensor w = readEntry(*own, "window", at::kDouble);
     for (int64_t i = 0; w.dim() == 2 && w.size(1) == 5 && i < w.size(0); ++i) {
       const double* v = w.data_ptr<double>() + 5 * i;
       window.push_back(RankEstimator::Sample{v[0], v[1], v[2], v[3], v[4]});
@@ -182,7 +187,7 @@ void BatchPlanner::loadRemapped(torch::serialize::InputArchive& shared,
 
 std::vector<RankCost> BatchPlanner::readCosts(torch::serialize::InputArchive& shared) const {
   std::vector<RankCost> out;
-  const at::Tensor costs = readEntry(shared, "costs");
+  const at::Tensor costs = readEntry(shared, "costs", at::kDouble);
   HDDP_CHECK_AS(StateError,
                 costs.dim() == 2 && costs.size(1) == static_cast<int64_t>(kRankCostFields),
                 "the planner's costs have shape ", costs.sizes(),
@@ -191,7 +196,7 @@ std::vector<RankCost> BatchPlanner::readCosts(torch::serialize::InputArchive& sh
     out.push_back(
         costFromFields(costs.data_ptr<double>() + static_cast<int64_t>(kRankCostFields) * i));
   }
-  const at::Tensor caps = readEntry(shared, "caps");
+  const at::Tensor caps = readEntry(shared, "caps", at::kLong);
   out.resize(std::max<size_t>(out.size(), static_cast<size_t>(caps.numel())));
   for (int64_t i = 0; i < caps.numel(); ++i) {
     const int64_t cap = caps.data_ptr<int64_t>()[i];

@@ -94,7 +94,9 @@ at::Tensor encode(const StateMeta& m) {
 
 StateMeta decode(const at::Tensor& meta, const std::string& path) {
   const at::Tensor m = meta.contiguous();
-  const int64_t version = m.numel() > 0 ? m.data_ptr<int64_t>()[0] : -1;
+  // The file's bytes choose the type: another than the one written is not read as it.
+  const int64_t version =
+      m.numel() > 0 && m.scalar_type() == at::kLong ? m.data_ptr<int64_t>()[0] : -1;
   HDDP_CHECK_AS(StateError, version == StateMeta::kVersion && m.numel() == 6, "state file ", path,
                 " has format version ", version, "; this hddp reads version ", StateMeta::kVersion,
                 ". Finish that run with the hddp that wrote it, or start fresh.");

@@ -2,9 +2,11 @@
 // ordinary suite: each reader refuses its input with its own clear error, without a
 // crash, undefined behaviour or an exception of another kind.
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -12,9 +14,11 @@
 
 #include "data/image_decode.h"
 #include "hddp/balance/device_table.h"
+#include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
 #include "hddp/train/state_file.h"
+#include "hddp/train/trainer.h"
 #include "hddp_protocol/job_record.h"
 #include "hddp_protocol/launch.h"
 #include "support/ranks.h"
@@ -122,6 +126,50 @@ TEST(FuzzRegressions, AStateFilesPickleClaimingGigabytesIsRefusedBeforeLibTorchR
     EXPECT_NE(error.find("data.pkl"), std::string::npos) << error;
     EXPECT_NE(error.find(claim), std::string::npos) << error;
   }
+}
+
+// A state file whose planner entry holds another type than hddp writes (found by the CI
+// run's 30 s of fuzz_state_file, 2026-12-07): the planner read it through a pointer of
+// its own type, a c10::Error from LibTorch's check. Now a StateError naming the entry.
+// Loaded as fuzz_state_file loads it: its length and checksum made right, into the same
+// one-rank job (a Linear and a BatchNorm, SGD with momentum).
+TEST(FuzzRegressions, APlannerEntryOfAnotherTypeIsAStateError) {
+  std::ifstream in(regression("fuzz_state_file", "planner-entry-of-another-type.hddp"),
+                   std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 20u);
+  auto put = [&bytes](size_t at, uint64_t value, int n) {
+    for (int i = 0; i < n; ++i) {
+      bytes[at + static_cast<size_t>(i)] = static_cast<char>((value >> (8 * i)) & 0xff);
+    }
+  };
+  put(8, bytes.size() - 20, 8);
+  put(16, hddp::crc32Of(bytes.data() + 20, bytes.size() - 20), 4);
+  const std::string path = hddp::testing::makeTempDir() + "/state-00000002.hddp";
+  std::ofstream(path, std::ios::binary) << bytes;
+  std::string error;
+  hddp::testing::runThreads(1, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    torch::nn::Sequential net{torch::nn::Linear(4, 3), torch::nn::BatchNorm1d(3)};
+    torch::optim::SGD optimizer{net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)};
+    hddp::TrainerOptions o;
+    o.globalBatch = 8;
+    o.epochs = 1;
+    o.seedPlan = false;
+    o.progress = hddp::ProgressMode::Off;
+    o.loader.workers = 0;
+    auto data = std::make_shared<hddp::SyntheticClassificationDataset>(32, 1, 2, 3, /*seed=*/5);
+    hddp::Trainer trainer(
+        *comm, net.ptr(), [net](const at::Tensor& x) mutable { return net->forward(x.flatten(1)); },
+        hddp::crossEntropy(), optimizer, data, o);
+    try {
+      trainer.load(path);
+    } catch (const hddp::StateError& e) {
+      error = e.what();
+    }
+  });
+  EXPECT_NE(error.find("the planner's"), std::string::npos) << error;
+  EXPECT_NE(error.find("the state file is damaged or not hddp's"), std::string::npos) << error;
 }
 
 // The images the fuzzers found, each a fault of Debian's stb_image 2.27, hddp's decoder of

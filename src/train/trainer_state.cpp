@@ -83,7 +83,14 @@ at::Tensor generatorState(at::Generator gen) {
 
 void setGeneratorState(at::Generator gen, const at::Tensor& state) {
   std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
+  const at::Tensor before = gen.get_state();
+  try {
+    gen.set_state(state);
+  } catch (const c10::Error& e) {  // LibTorch checks what the file's bytes hold
+    gen.set_state(before);
+    HDDP_THROW(StateError, "its random number generator state is not one (",
+               e.what_without_backtrace(), "): the state file is damaged or not hddp's");
+  }
 }
 
 at::Tensor encode(const StateMeta& m) {

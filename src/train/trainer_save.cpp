@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -70,8 +71,23 @@ std::string Trainer::Impl::saveMidEpoch() {
 }
 
 bool Trainer::Impl::load(const std::string& fileOrDirectory, const train::LoadOptions& options) {
-  const auto loaded =
-      train::loadState(stateParts(), fileOrDirectory, options_.globalBatch, options);
+  train::LoadedState loaded;
+  try {
+    loaded = train::loadState(stateParts(), fileOrDirectory, options_.globalBatch, options);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::bad_alloc&) {
+    throw;
+  } catch (const std::exception& e) {
+    // What LibTorch refuses in a state file's contents (a check of its own, a value out of
+    // a type's range) is the file's fault: a StateError on every rank (the others learnt
+    // of it in loadState's agreement), with LibTorch's words. Each such case the fuzzers
+    // find is still fixed where it arises, with a message of its own.
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    HDDP_THROW(StateError, "cannot resume from ", fileOrDirectory, ": LibTorch refused what ",
+               "the state file holds (", c10 ? c10->what_without_backtrace() : e.what(),
+               "); it is damaged or not hddp's. Resume from an earlier state file.");
+  }
   if (loaded.path.empty()) {
     if (options.onlyRunId.empty()) {
       HDDP_LOG_INFO("train", "no state file in ", fileOrDirectory,

@@ -186,6 +186,10 @@ TEST(FuzzRegressions, StateFileEntriesThatLibTorchRefusesAreStateErrors) {
       << planner;
   const std::string rng = loadAsTheFuzzTargetDoes("rng-state-that-is-not-one.hddp");
   EXPECT_NE(rng.find("random number generator state"), std::string::npos) << rng;
+  // A number beyond int where LibTorch converts one (std::runtime_error): a StateError
+  // with LibTorch's words, from the Trainer's one conversion of what LibTorch refuses.
+  const std::string big = loadAsTheFuzzTargetDoes("value-beyond-int.hddp");
+  EXPECT_NE(big.find("LibTorch refused what the state file holds"), std::string::npos) << big;
 }
 
 // The images the fuzzers found, each a fault of Debian's stb_image 2.27, hddp's decoder of

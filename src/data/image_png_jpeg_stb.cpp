@@ -84,8 +84,7 @@ at::Tensor decodeWithStbFallback(const std::string& bytes, const std::string& pa
   int n = 0;
   HDDP_CHECK_AS(DataError, stbi_info_from_memory(data, size, &w, &h, &n) == 1,
                 "cannot decode image ", path, ": ", stbi_failure_reason());
-  checkImagePixels(path, format, std::abs(int64_t{w}), std::abs(int64_t{h}), bytes.size(),
-                   limits);
+  checkImagePixels(path, format, std::abs(int64_t{w}), std::abs(int64_t{h}), bytes.size(), limits);
   stbi_uc* pixels = stbi_load_from_memory(data, size, &w, &h, &n, channels);
   HDDP_CHECK_AS(DataError, pixels != nullptr, "cannot decode image ", path, ": ",
                 stbi_failure_reason());

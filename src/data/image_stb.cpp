@@ -65,8 +65,8 @@ at::Tensor decodeWithStb(const std::string& bytes, const std::string& path, int 
                 "cannot decode image ", path, ": ", stbReason(),
                 " (hddp reads PNG, JPEG, GIF, BMP, TGA and binary PGM/PPM)");
   // A BMP stored top-down has a negative height, which stbi_info passes on as it is.
-  checkImagePixels(path, stbFormat(bytes), std::abs(int64_t{w}), std::abs(int64_t{h}),
-                   bytes.size(), limits);
+  checkImagePixels(path, stbFormat(bytes), std::abs(int64_t{w}), std::abs(int64_t{h}), bytes.size(),
+                   limits);
   stbi_uc* pixels = stbi_load_from_memory(data, size, &w, &h, &n, channels);
   HDDP_CHECK_AS(DataError, pixels != nullptr, "cannot decode image ", path, ": ", stbReason());
   Samples samples;

@@ -33,9 +33,8 @@ struct Factorised {
 // bucket made by hand (no names) its bucket and position.
 std::vector<std::string> memoryKeys(const GradBucket& bucket) {
   if (!bucket.names.empty()) {
-    HDDP_CHECK(bucket.names.size() == bucket.parameters.size(), "GradBucket ", bucket.index,
-               ": ", bucket.names.size(), " names for ", bucket.parameters.size(),
-               " parameters");
+    HDDP_CHECK(bucket.names.size() == bucket.parameters.size(), "GradBucket ", bucket.index, ": ",
+               bucket.names.size(), " names for ", bucket.parameters.size(), " parameters");
     return bucket.names;
   }
   std::vector<std::string> keys;
@@ -195,10 +194,9 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
         const int64_t rows = m.first.size(0);
         const int64_t cols = m.first.size(1);
         const int64_t r = std::min<int64_t>({rows, cols, o.rank});
-        factors_.push_back(Factorised{m.first.unsqueeze(0),
-                                      pMemory_.narrow(0, pAt, rows * r).view({1, rows, r}),
-                                      qMemory_.narrow(0, qAt, cols * r).view({1, cols, r}),
-                                      m.second});
+        factors_.push_back(
+            Factorised{m.first.unsqueeze(0), pMemory_.narrow(0, pAt, rows * r).view({1, rows, r}),
+                       qMemory_.narrow(0, qAt, cols * r).view({1, cols, r}), m.second});
         pAt += rows * r;
         qAt += cols * r;
       }
@@ -240,8 +238,7 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       at::bmm_out(f.p, f.matrix, f.q);
     }
     // One collective where the types allow: the whole gradients and P together.
-    wire_ = o.wireType == c10::ScalarType::Undefined ? options.dtype().toScalarType()
-                                                     : o.wireType;
+    wire_ = o.wireType == c10::ScalarType::Undefined ? options.dtype().toScalarType() : o.wireType;
     std::vector<at::Tensor> first;
     if (wholeWire_.numel() > 0) {
       first.push_back(wholeWire_);

@@ -54,20 +54,19 @@ void PowerSgdState::loadStateDict(const std::vector<std::pair<std::string, at::T
   int64_t draws = draws_;
   // An earlier hddp's per-bucket memories: "error.<bucket>", "q.<bucket>".
   auto perBucket = [](const std::string& key, size_t prefix) {
-    return key.size() > prefix &&
-           key.find_first_not_of("0123456789", prefix) == std::string::npos;
+    return key.size() > prefix && key.find_first_not_of("0123456789", prefix) == std::string::npos;
   };
   int dropped = 0;
   for (const auto& item : state) {
     const std::string& key = item.first;
     if (key == "step" || key == "draws") {
-      HDDP_CHECK(item.second.numel() == 1, "PowerSGD state: '", key,
-                 "' holds ", item.second.numel(), " elements, expected one");
+      HDDP_CHECK(item.second.numel() == 1, "PowerSGD state: '", key, "' holds ",
+                 item.second.numel(), " elements, expected one");
       const int64_t value = item.second.item<int64_t>();
       // The count of drawn Qs seeds the next draw by advancing a generator that far:
       // bounded, so a damaged file cannot stall every rank at its first draw.
-      HDDP_CHECK(value >= 0 && (key == "step" || value <= (int64_t{1} << 32)),
-                 "PowerSGD state: '", key, "' is ", value, ", out of range (a damaged state?)");
+      HDDP_CHECK(value >= 0 && (key == "step" || value <= (int64_t{1} << 32)), "PowerSGD state: '",
+                 key, "' is ", value, ", out of range (a damaged state?)");
       (key == "step" ? step : draws) = value;
     } else if (key.rfind("error/", 0) == 0 && key.size() > 6) {
       error[key.substr(6)] = item.second;

@@ -193,7 +193,8 @@ void Trainer::Impl::adoptCompression(const std::string& name) {
 
 void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
   const GradientLayout layout = gradientLayout();
-  const CompressionCost traffic = compressionTraffic(specOf(options_.ddp, layout.elementBytes), layout);
+  const CompressionCost traffic =
+      compressionTraffic(specOf(options_.ddp, layout.elementBytes), layout);
   const AllreducePrediction p = hddp::predictAllreduce(seed, traffic.wireBytes);
   predictedAllreduceSeconds_ = p.seconds;
   predictedPlainAllreduceSeconds_ = hddp::predictAllreduce(seed, layout.bytes()).seconds;

@@ -182,8 +182,7 @@ std::string loadAsTheFuzzTargetDoes(const std::string& name) {
 TEST(FuzzRegressions, StateFileEntriesThatLibTorchRefusesAreStateErrors) {
   const std::string planner = loadAsTheFuzzTargetDoes("planner-entry-of-another-type.hddp");
   EXPECT_NE(planner.find("the planner's"), std::string::npos) << planner;
-  EXPECT_NE(planner.find("the state file is damaged or not hddp's"), std::string::npos)
-      << planner;
+  EXPECT_NE(planner.find("the state file is damaged or not hddp's"), std::string::npos) << planner;
   const std::string rng = loadAsTheFuzzTargetDoes("rng-state-that-is-not-one.hddp");
   EXPECT_NE(rng.find("random number generator state"), std::string::npos) << rng;
   // A number beyond int where LibTorch converts one (std::runtime_error): a StateError

@@ -75,7 +75,8 @@ void trainStep(Swapped& model, Training& run, int rank, int step) {
   const int64_t local = kBatch / 2;
   run.ddp->setBatch(local, kBatch);
   run.opt->zero_grad();
-  torch::mse_loss(model->forward(x.narrow(0, rank * local, local)), y.narrow(0, rank * local, local))
+  torch::mse_loss(model->forward(x.narrow(0, rank * local, local)),
+                  y.narrow(0, rank * local, local))
       .backward();
   run.opt->step();
 }
@@ -102,9 +103,9 @@ TEST(PowerSgdResume, MemoriesFollowTheirParametersWhenTheBucketsAreLaidOutAnew) 
     std::vector<std::pair<std::string, torch::Tensor>> start;
     for (const char* name : {"a.weight", "a.bias", "b.weight", "b.bias"}) {
       const bool weight = std::string(name).find("weight") != std::string::npos;
-      start.emplace_back(name, 0.3 * draw(weight ? std::vector<int64_t>{8, 8}
-                                                 : std::vector<int64_t>{8},
-                                          std::hash<std::string>{}(name)));
+      start.emplace_back(name,
+                         0.3 * draw(weight ? std::vector<int64_t>{8, 8} : std::vector<int64_t>{8},
+                                    std::hash<std::string>{}(name)));
     }
     auto fresh = [&](const std::vector<std::pair<std::string, torch::Tensor>>& from) {
       Swapped model;

@@ -11,8 +11,8 @@
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
-#include "support/power_sgd_steps.h"
 #include "support/emulated_device.h"
+#include "support/power_sgd_steps.h"
 #include "support/ranks.h"
 
 namespace {
@@ -313,8 +313,8 @@ TEST(PowerSgd, StateRoundTripsAndAMisfitIsDropped) {
     EXPECT_THROW(a->loadStateDict({{"draws", at::tensor(int64_t{1} << 40)}}), hddp::Error);
     EXPECT_THROW(a->loadStateDict({{"step", at::tensor(int64_t{-1})}}), hddp::Error);
     // An earlier hddp's per-bucket memories are dropped (logged), not misapplied.
-    a->loadStateDict({{"step", at::tensor(int64_t{9})}, {"error.0", at::ones({204})},
-                      {"q.0", at::ones({24})}});
+    a->loadStateDict(
+        {{"step", at::tensor(int64_t{9})}, {"error.0", at::ones({204})}, {"q.0", at::ones({24})}});
     for (const auto& item : a->stateDict()) {
       EXPECT_TRUE(item.first == "step" || item.first == "draws") << item.first;
     }

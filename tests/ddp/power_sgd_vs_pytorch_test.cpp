@@ -82,7 +82,7 @@ Reference runPyTorch() {
 void addQMemories(std::vector<std::pair<std::string, at::Tensor>>& out, int bucket,
                   const std::vector<std::vector<int64_t>>& shapes, const at::Tensor& q, int rank,
                   double minRate) {
-  std::vector<std::vector<size_t>> groups;  // positions, grouped by matrix shape
+  std::vector<std::vector<size_t>> groups;                  // positions, grouped by matrix shape
   std::vector<std::array<int64_t, 3>> dims(shapes.size());  // rows, cols, r
   for (size_t i = 0; i < shapes.size(); ++i) {
     if (shapes[i].empty()) {
@@ -183,4 +183,3 @@ TEST(PowerSgdVsPyTorch, SameOutputsStepByStepWithErrorFeedbackAndWarmStart) {
                 name.c_str(), worst[0], worst[1]);
   }
 }
-

@@ -160,9 +160,9 @@ void expectAbandonedEqualsStraight(const std::function<void(hddp::TrainerOptions
     const Final& a = abandoned[r].state;
     const Final& b = straight[r].state;
     ASSERT_EQ(a.size(), b.size()) << "rank " << r;
-    EXPECT_TRUE(std::any_of(a.begin(), a.end(),
-                            [](const auto& item) { return item.first.rfind("powersgd.q/", 0) == 0; }))
-        << "PowerSGD never compressed";
+    EXPECT_TRUE(std::any_of(a.begin(), a.end(), [](const auto& item) {
+      return item.first.rfind("powersgd.q/", 0) == 0;
+    })) << "PowerSGD never compressed";
     for (const auto& item : b) {
       const auto other = a.find(item.first);
       ASSERT_NE(other, a.end()) << "rank " << r << ": " << item.first;

@@ -44,6 +44,29 @@ std::vector<std::string> memoryKeys(const GradBucket& bucket) {
   return keys;
 }
 
+// The seed of the random starting Q of draw number `draw` (0, 1, ...): the draw-th
+// output of mt19937_64(seed), the same on every rank. The engine is kept per thread
+// where the last draw left it, so a run drawing in sequence (no warm start: every step)
+// pays O(1) a draw; another seed or another count (a resume, an undone step, a second
+// state drawing in between) starts it again and discards up to the count, O(draw) once.
+uint64_t drawSeed(uint64_t seed, int64_t draw) {
+  struct Engine {
+    bool started = false;
+    uint64_t seed = 0;
+    int64_t next = 0;  // the draw the engine's next output is
+    std::mt19937_64 engine;
+  };
+  thread_local Engine e;
+  if (!e.started || e.seed != seed || e.next != draw) {
+    e.engine.seed(seed);
+    e.engine.discard(static_cast<unsigned long long>(draw));
+    e.seed = seed;
+    e.started = true;
+  }
+  e.next = draw + 1;
+  return e.engine();
+}
+
 }  // namespace
 
 // The parts of a PowerSgdState a bucket's work reads and writes.
@@ -225,10 +248,9 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
       }
     } else if (!factors_.empty()) {
       // The same on every rank: a seed drawn from the options' seed and the draw count.
-      std::mt19937_64 seeds(o.randomSeed);
-      seeds.discard(static_cast<unsigned long long>(*draws));
+      const uint64_t seed = drawSeed(o.randomSeed, *draws);
       ++*draws;
-      auto generator = at::make_generator<at::CPUGeneratorImpl>(seeds() % 1000000000ULL);
+      auto generator = at::make_generator<at::CPUGeneratorImpl>(seed % 1000000000ULL);
       for (auto& f : factors_) {
         f.q.copy_(at::randn(f.q.sizes(), generator, at::TensorOptions().dtype(options.dtype())));
         orthogonalize(f.q, o.orthogonalizationEpsilon);
@@ -251,9 +273,21 @@ class CompressedBucket : public std::enable_shared_from_this<CompressedBucket> {
     if (first.size() == 2 && first[0].scalar_type() == first[1].scalar_type()) {
       work = comm_.allreduceCoalesced(first);
     } else if (first.size() == 2) {
-      // Different types: two collectives, the second's Work carried by the first's.
+      // Different types: two collectives, the second's Work carried by the first's. Once
+      // the first is sent the bucket cannot be sent again: DDP re-sends a bucket whose
+      // hook ran out of memory (an abandoned step), and this rank would then have sent
+      // one collective more than its peers. Such an error ends the step unrepeatable.
       Work a = comm_.allreduce(first[0]);
-      second_ = std::make_shared<Work>(comm_.allreduce(first[1]));
+      try {
+        second_ = std::make_shared<Work>(comm_.allreduce(first[1]));
+      } catch (const c10::OutOfMemoryError& e) {
+        HDDP_THROW(DistributedError, "PowerSGD: bucket ", index_, " ran out of memory issuing ",
+                   "its P after its uncompressed gradients were sent (", e.what_without_backtrace(),
+                   "); the step cannot be repeated, as the ",
+                   "ranks' collectives would no longer match. Leave more memory free, or ",
+                   "send P and Q in the gradients' type (PowerSgdOptions::wireType left ",
+                   "Undefined: one collective)");
+      }
       work = std::move(a);
     } else if (first.size() == 1) {
       work = comm_.allreduce(first[0]);

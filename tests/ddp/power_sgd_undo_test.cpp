@@ -5,6 +5,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdint>
 #include <limits>
 #include <map>
 #include <memory>
@@ -12,6 +14,7 @@
 #include <vector>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/core/error.h"
 #include "hddp/ddp/power_sgd.h"
 #include "support/power_sgd_steps.h"
 #include "support/ranks.h"
@@ -163,6 +166,164 @@ TEST(PowerSgd, AnOverflowInOneBucketLeavesEveryBucketAsItWas) {
       expectSameState(stateOf(*reference), stateOf(*overflowing), "step " + std::to_string(step));
     }
   });
+}
+
+// Without warm start every compressed step draws its starting Q afresh, seeded by draw
+// number k of mt19937_64(randomSeed), which the hook keeps running per thread. Another
+// state drawing in between (another seed), a state loaded from a state file mid-run, and
+// a step discarded and taken again must draw what a run alone draws, bit for bit.
+TEST(PowerSgd, WithoutWarmStartInterleavedStatesDrawWhatARunAloneDraws) {
+  constexpr int kSteps = 7;
+  auto optionsOf = [](uint64_t seed) {
+    hddp::PowerSgdOptions o;
+    o.startStep = 2;
+    o.warmStart = false;
+    o.randomSeed = seed;
+    return o;
+  };
+  // seed -> rank -> step -> the reduced buckets of a run alone (seed 11, then seed 12)
+  std::map<uint64_t, std::vector<std::vector<std::vector<at::Tensor>>>> alone;
+  alone[11].resize(2);
+  alone[12].resize(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    for (uint64_t seed : {11, 12}) {
+      auto hook = hddp::powerSgdHook(std::make_shared<hddp::PowerSgdState>(optionsOf(seed)));
+      for (int step = 0; step < kSteps; ++step) {
+        auto buckets = bucketsOf(rank, step, seed == 11 ? 1.0 : 2.0);
+        runStep(hook, *comm, buckets);
+        alone[seed][rank].push_back({buckets[0].buffer, buckets[1].buffer});
+      }
+    }
+  });
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    auto mine = std::make_shared<hddp::PowerSgdState>(optionsOf(11));
+    auto other = std::make_shared<hddp::PowerSgdState>(optionsOf(12));
+    auto mineHook = hddp::powerSgdHook(mine);
+    auto otherHook = hddp::powerSgdHook(other);
+    std::shared_ptr<hddp::PowerSgdState> loaded;
+    hddp::CommHook loadedHook;
+    for (int step = 0; step < kSteps; ++step) {
+      auto theirs = bucketsOf(rank, step, 2.0);
+      runStep(otherHook, *comm, theirs);
+      for (size_t i = 0; i < theirs.size(); ++i) {
+        EXPECT_TRUE(at::equal(theirs[i].buffer, alone[12][rank][step][i]))
+            << "seed 12, step " << step << " bucket " << i;
+      }
+      if (step == 4) {  // taken, discarded, taken again
+        auto abandoned = bucketsOf(rank, 400 + step);
+        runStep(mineHook, *comm, abandoned);
+        mine->discardStep();
+      }
+      auto buckets = bucketsOf(rank, step);
+      runStep(mineHook, *comm, buckets);
+      for (size_t i = 0; i < buckets.size(); ++i) {
+        EXPECT_TRUE(at::equal(buckets[i].buffer, alone[11][rank][step][i]))
+            << "step " << step << " bucket " << i;
+      }
+      if (loaded) {
+        auto again = bucketsOf(rank, step);
+        runStep(loadedHook, *comm, again);
+        for (size_t i = 0; i < again.size(); ++i) {
+          EXPECT_TRUE(at::equal(again[i].buffer, alone[11][rank][step][i]))
+              << "loaded, step " << step << " bucket " << i;
+        }
+      }
+      if (step == 2) {  // a state file's state, taken after the second draw
+        loaded = std::make_shared<hddp::PowerSgdState>(optionsOf(11));
+        loaded->loadStateDict(mine->stateDict());
+        loadedHook = hddp::powerSgdHook(loaded);
+      }
+    }
+    EXPECT_EQ(mine->stateDict().size(), loaded->stateDict().size());
+  });
+}
+
+// A communicator that runs out of memory issuing its `failAt`-th allreduce (1-based),
+// as a device staging a collective's buffer may: nothing of that one is sent.
+class OutOfMemoryAtAllreduce final : public hddp::Communicator {
+ public:
+  OutOfMemoryAtAllreduce(std::unique_ptr<hddp::Communicator> inner, int failAt)
+      : inner_(std::move(inner)), failAt_(failAt) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  hddp::Backend backend() const override { return inner_->backend(); }
+  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  c10::Device device() const override { return inner_->device(); }
+  using hddp::Communicator::allreduce;
+  using hddp::Communicator::broadcast;
+  using hddp::Communicator::reduceScatter;
+  hddp::Work allreduce(at::Tensor& tensor, const hddp::AllreduceOptions& options) override {
+    count();
+    return inner_->allreduce(tensor, options);
+  }
+  hddp::Work allreduceCoalesced(std::vector<at::Tensor>& tensors,
+                                const hddp::AllreduceOptions& options) override {
+    count();
+    return inner_->allreduceCoalesced(tensors, options);
+  }
+  hddp::Work broadcast(at::Tensor& tensor, const hddp::BroadcastOptions& options) override {
+    return inner_->broadcast(tensor, options);
+  }
+  hddp::Work allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input,
+                       const hddp::AllgatherOptions& options) override {
+    return inner_->allgather(outputs, input, options);
+  }
+  hddp::Work reduceScatter(at::Tensor& output, const at::Tensor& input,
+                           const hddp::ReduceScatterOptions& options) override {
+    return inner_->reduceScatter(output, input, options);
+  }
+  hddp::Work barrier(const hddp::BarrierOptions& options) override {
+    return inner_->barrier(options);
+  }
+  int issued() const { return issued_; }
+
+ private:
+  void count() {
+    TORCH_CHECK_WITH(OutOfMemoryError, ++issued_ != failAt_, "test: out of memory issuing");
+  }
+  std::unique_ptr<hddp::Communicator> inner_;
+  int failAt_;
+  int issued_ = 0;
+};
+
+// P sent in another type than the gradients (float on float64) takes two collectives:
+// the uncompressed gradients, then P. Out of memory issuing P, after the first was sent,
+// must not look like an out-of-memory error that DDP answers by sending the bucket
+// again (this rank would send one collective more than its peers): it is an error that
+// ends the step, and the state is as before it.
+TEST(PowerSgd, OutOfMemoryAfterAFirstCollectiveWasSentIsNotRepeatable) {
+  auto store = hddp::Store::memory();
+  // Steps 0 and 1 send one allreduce each; step 2's first round sends the float64 bias
+  // (3rd), then P (4th, fails).
+  OutOfMemoryAtAllreduce comm(hddp::makeCommunicator(store, 0, 1), 4);
+  hddp::PowerSgdOptions o;
+  o.startStep = 2;
+  o.wireType = at::kFloat;
+  auto state = std::make_shared<hddp::PowerSgdState>(o);
+  auto hook = hddp::powerSgdHook(state);
+  auto bucketAt = [](int step) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(step);
+    return std::vector<hddp::GradBucket>{makeBucket(
+        0, true, kFirst, at::randn({16 * 12 + 5}, generator, at::TensorOptions(at::kDouble)))};
+  };
+  for (int step = 0; step < 2; ++step) {
+    auto buckets = bucketAt(step);
+    runStep(hook, comm, buckets);
+  }
+  const StateDict before = stateOf(*state);
+  auto buckets = bucketAt(2);
+  try {
+    hook(comm, buckets[0]);
+    ADD_FAILURE() << "the hook went on after its P could not be sent";
+  } catch (const c10::OutOfMemoryError& e) {
+    ADD_FAILURE() << "an out-of-memory error DDP would repeat the bucket for: " << e.what();
+  } catch (const hddp::DistributedError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot be repeated"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(comm.issued(), 4);
+  expectSameState(before, stateOf(*state), "after the failed first round");
 }
 
 }  // namespace

@@ -3,16 +3,11 @@
 // (support/stream_semantics.h). The Trainer's step timer leaves that wait out of the
 // compute time; a timer that takes host time to the status read does not, every rank
 // then measures the slow rank's step time, and the split stays where it started.
-#include <c10/core/Event.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <fstream>
-#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -25,7 +20,6 @@
 #include "hddp/data/datasets.h"
 #include "hddp/ddp/sync_batch_norm.h"
 #include "hddp/train/trainer.h"
-#include "support/emulated_device.h"
 #include "support/ranks.h"
 #include "support/stream_semantics.h"
 
@@ -354,157 +348,11 @@ TEST(StepTiming, CostOfAProfileUsesTheBestKnownLink) {
   EXPECT_DOUBLE_EQ(overlapped.perSampleSeconds(), 0.004);
 }
 
-TEST(StepTiming, HostTimerLeavesWaitSpansOut) {
-  auto timer = hddp::makeHostStepTimer();
-  EXPECT_TRUE(timer->collect().empty());
-  timer->start({3, 10, 100});
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  timer->beginWait();
-  std::this_thread::sleep_for(std::chrono::milliseconds(40));
-  timer->endWait();
-  timer->beginWait();
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  timer->endWait();
-  timer->stop();
-  const auto t = timer->collect();
-  ASSERT_EQ(t.size(), 1u);
-  EXPECT_EQ(t[0].label.step, 3);
-  EXPECT_EQ(t[0].label.samples, 10);
-  EXPECT_GE(t[0].waitSeconds, 0.055);
-  EXPECT_GE(t[0].totalSeconds, t[0].waitSeconds + 0.018);
-  EXPECT_LT(t[0].computeSeconds(), t[0].totalSeconds - 0.055);
-  EXPECT_TRUE(timer->collect().empty());  // each step once
-  // A step never stopped (abandoned) is dropped by the next start().
-  timer->start({4, 10, 0});
-  timer->start({5, 10, 0});
-  timer->stop();
-  const auto next = timer->collect();
-  ASSERT_EQ(next.size(), 1u);
-  EXPECT_EQ(next[0].label.step, 5);
-}
-
-// More spinning threads than cores: the timed thread, spinning too, waits in the run
-// queue for a good part of its step, and the host timer says how long (what the
-// emulator leaves unstretched). Alone, it barely waits.
-TEST(StepTiming, HostTimerMeasuresTimeWithoutACore) {
-  if (hddp::threadQueuedSeconds() < 0) {
-    GTEST_SKIP() << "no /proc/thread-self/schedstat here";
-  }
-  auto spin = [](double seconds) {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-    while (std::chrono::steady_clock::now() < end) {
-    }
-  };
-  auto timer = hddp::makeHostStepTimer();
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> others;
-  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  for (unsigned i = 0; i < cores; ++i) {
-    others.emplace_back([&] {
-      while (!stop.load()) {
-      }
-    });
-  }
-  timer->start({1, 1, 0});
-  spin(0.4);
-  timer->stop();
-  stop = true;
-  for (auto& t : others) {
-    t.join();
-  }
-  const auto t = timer->collect();
-  ASSERT_EQ(t.size(), 1u);
-  // cores + 1 spinning threads on `cores` cores: about 1/(cores + 1) of the time queued.
-  EXPECT_GT(t[0].queuedSeconds, 0.25 / (cores + 1) * t[0].totalSeconds) << t[0].totalSeconds;
-  EXPECT_LE(t[0].queuedSeconds, t[0].computeSeconds());
-}
-
-TEST(StepTiming, DeviceTimerRefusesTheCpu) {
-  EXPECT_THROW(hddp::makeDeviceStepTimer(c10::Device(c10::kCPU)), hddp::ConfigError);
-  EXPECT_STREQ(hddp::makeStepTimer(c10::Device(c10::kCPU))->describe(), "host clock");
-}
-
 #define SKIP_WITHOUT_CUDA()                                                                \
   if (!torch::cuda::is_available() || !hddp::ncclAvailable()) {                            \
     GTEST_SKIP() << "needs a CUDA device and the NCCL build (run tools/gpu-check.sh on a " \
                     "GPU machine)";                                                        \
   }
-
-// One step on `dev` timed by the device timer: a little compute, a "collective" that
-// `launch` queues on another stream (recording `done` there), the compute stream waiting
-// for it through the event, a little more compute. The timer must count that span as
-// waiting and the rest as compute, and hand the step over only once its events have
-// completed. Returns the step's timing.
-hddp::StepTiming timeAStreamWait(const c10::Device& dev, const char* describe,
-                                 const std::function<void(c10::Event& done)>& launch) {
-  auto timer = hddp::makeStepTimer(dev);
-  EXPECT_STREQ(timer->describe(), describe);
-  auto small = torch::randn({64, 64}, torch::TensorOptions().device(dev));
-  c10::impl::VirtualGuardImpl guard(dev.type());
-  guard.synchronizeDevice(dev.index());
-  const c10::Stream compute = guard.getStream(dev);
-  const c10::Stream other = guard.getStreamFromGlobalPool(dev, false);
-  timer->start({0, 8, 0});
-  for (int i = 0; i < 5; ++i) {
-    small = small.mm(small).tanh();  // a little compute
-  }
-  c10::Event done(dev.type());
-  {
-    c10::StreamGuard on(other);
-    launch(done);
-  }
-  timer->beginWait();
-  done.block(compute);
-  timer->endWait();
-  for (int i = 0; i < 5; ++i) {
-    small = small.mm(small).tanh();
-  }
-  timer->stop();
-  guard.synchronizeDevice(dev.index());
-  const auto t = timer->collect();
-  EXPECT_EQ(t.size(), 1u);
-  if (t.empty()) {
-    return {};
-  }
-  EXPECT_GT(t[0].waitSeconds, 5 * t[0].computeSeconds())
-      << "total " << t[0].totalSeconds << " s, wait " << t[0].waitSeconds << " s";
-  EXPECT_GT(t[0].computeSeconds(), 0.0);
-  EXPECT_GT(t[0].tailSeconds, 0.0);
-  return t[0];
-}
-
-// On a device the wait is on the stream: the compute stream waits (event block) for a
-// long kernel on another stream, as it waits for NCCL's; the host returns at once.
-TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_CUDA) {
-  SKIP_WITHOUT_CUDA();
-  const c10::Device dev(c10::kCUDA, 0);
-  auto a = torch::randn({2048, 2048}, torch::TensorOptions().device(dev));
-  const auto t = timeAStreamWait(dev, "cuda:0 events", [&](c10::Event& done) {
-    auto b = a;  // the "collective": 40 large matmuls on the other stream
-    for (int i = 0; i < 40; ++i) {
-      b = b.mm(a).tanh();
-    }
-    done.record(c10::impl::VirtualGuardImpl(c10::kCUDA).getStream(dev));
-  });
-  EXPECT_GT(t.waitSeconds, 0.0);
-}
-
-// The twin on hddp::emu: the "collective" is a copy queued on a side stream that runs
-// 1 s later (emu's stream delay), long enough that the compute around it (on the CPU,
-// 0.15 s under CI's load) stays under a fifth of it.
-TEST(StepTiming, DeviceTimerLeavesTheStreamWaitOut_Emu) {
-  const c10::Device dev = hddp::testing::emulatedDevice(0);
-  auto host = torch::randn({1 << 20});
-  auto a = torch::empty({1 << 20}, torch::TensorOptions().device(dev));
-  hddp::emu::setStreamDelay(std::chrono::milliseconds(1000));
-  const auto t = timeAStreamWait(dev, "emu:0 events", [&](c10::Event& done) {
-    a.copy_(host, /*non_blocking=*/true);  // runs 1 s later on the side stream
-    done.record(c10::impl::VirtualGuardImpl(dev.type()).getStream(dev));
-  });
-  hddp::emu::setStreamDelay(std::chrono::milliseconds(0));
-  EXPECT_GE(t.waitSeconds, 0.9) << "total " << t.totalSeconds << " s";
-  EXPECT_TRUE(torch::equal(a.cpu(), host));
-}
 
 // The Trainer on one GPU with NCCL times its steps with device events and hands the
 // planner compute times (one step late), with no synchronization added for timing, and
@@ -549,114 +397,3 @@ TEST(StepTiming, TrainerTimesStepsWithDeviceEvents_CUDA) {
 }
 
 }  // namespace
-
-namespace {
-
-struct AutoRun {
-  std::string chosen;          // the metrics' config
-  bool powerSgdState = false;  // DDP built with PowerSGD
-  int64_t powerSgdSteps = 0;   // its step count at the end
-  std::vector<double> waits;   // rank 0's comm_wait_s from step 3 on
-  double predicted = 0.0;      // allreduce_predicted_s
-};
-
-// Two ranks of a 64 -> 4096 linear layer (1.05 MB of gradients in one bucket, so the
-// allreduce cannot hide; a forward of 0.5 ms a sample, so backward is ~4 ms of the local
-// batch of 4) under --compress auto, over an emulated link of `link` bytes/s.
-AutoRun runAuto(double link, const std::string& saveDir = "", int64_t maxSteps = 12) {
-  const std::string dir = hddp::testing::makeTempDir();
-  AutoRun out;
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    auto comm = hddp::makeCommunicator(store, rank, size);
-    torch::manual_seed(7);
-    at::set_num_threads(1);
-    torch::nn::Linear model(64, 4096);
-    torch::optim::SGD opt(model->parameters(), 0.01);
-    hddp::TrainerOptions o;
-    o.globalBatch = 8;
-    o.maxSteps = maxSteps;
-    o.progress = hddp::ProgressMode::Off;
-    o.loader.workers = 1;
-    o.metricsPath = dir + "/m.jsonl";
-    o.saveDir = saveDir;
-    o.saveEvery = saveDir.empty() ? 0 : 3;
-    o.resume = saveDir;
-    o.ddp.compression = hddp::GradCompression::Auto;
-    o.ddp.powerSgd.startStep = 2;
-    hddp::EmulationOptions e;
-    e.linkBytesPerSecond = link;
-    e.collectiveBytesPerSecond = link;
-    o.emulation = e;
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(8 * 12, 1, 8, 4096);
-    hddp::Trainer trainer(
-        *comm, model.ptr(),
-        [model](const at::Tensor& x) mutable {
-          // 0.5 ms a sample (a sleep: the ranks share two cores): a backward to hide behind.
-          std::this_thread::sleep_for(std::chrono::microseconds(500 * x.size(0)));
-          return model->forward(x.flatten(1));
-        },
-        hddp::crossEntropy(), opt, ds, o);
-    trainer.fit();
-    if (rank == 0) {
-      const auto& state = trainer.ddp().powerSgdState();
-      out.powerSgdState = state != nullptr;
-      out.powerSgdSteps = state ? state->step() : 0;
-    }
-  });
-  std::ifstream in(dir + "/m.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (j.value("kind", "") == "config") {
-      out.chosen = j.value("compression", "");
-    } else if (j.value("kind", "") == "step" && j.value("step", 0) >= 3) {
-      out.waits.push_back(j.at("comm_wait_s").get<double>());
-      out.predicted = j.value("allreduce_predicted_s", 0.0);
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
-// --compress auto prices the choices over the job's slowest link against the backward
-// they can hide behind: on a link where the plain allreduce (1.05 MB at 2 MB/s: 525 ms)
-// dwarfs backward it takes PowerSGD, whose allreduce the Trainer predicts from the bytes
-// it sends, and the measured wait over the emulated link is that prediction; on a link
-// that carries the gradients in well under backward it keeps the plain allreduce.
-TEST(StepTiming, CompressAutoTakesPowerSgdOnASlowLinkAndItsWaitIsThePrediction) {
-  AutoRun slow = runAuto(2e6);
-  EXPECT_EQ(slow.chosen.rfind("powersgd:", 0), 0u) << slow.chosen;
-  EXPECT_TRUE(slow.powerSgdState);
-  ASSERT_GE(slow.waits.size(), 8u);
-  std::sort(slow.waits.begin(), slow.waits.end());
-  const double median = slow.waits[slow.waits.size() / 2];
-  std::printf("auto over 2 MB/s: %s, median comm_wait_s %.1f ms, predicted %.1f ms\n",
-              slow.chosen.c_str(), median * 1e3, slow.predicted * 1e3);
-  // The compressed bytes (rank 1: 33 kB; rank 4: 83 kB) and DDP's status, not 1.05 MB.
-  EXPECT_GT(slow.predicted, 0.0);
-  EXPECT_LT(slow.predicted, 0.1 * 1.05e6 / 2e6);
-  EXPECT_NEAR(median, slow.predicted, 0.25 * slow.predicted + 2e-3);
-
-  const AutoRun fast = runAuto(10e9);
-  EXPECT_EQ(fast.chosen, "none");
-  EXPECT_FALSE(fast.powerSgdState);
-}
-
-// The choice goes into state files: a run resumed under --compress auto goes on with the
-// file's choice and PowerSGD's state (its step count, its memories), even where auto
-// would now choose otherwise (here: a fast link that would keep the plain allreduce).
-TEST(StepTiming, CompressAutoResumesWithTheChoiceItsStateFileWasTrainedWith) {
-  const std::string saveDir = hddp::testing::makeTempDir();
-  const AutoRun first = runAuto(2e6, saveDir, 6);
-  ASSERT_EQ(first.chosen.rfind("powersgd:", 0), 0u) << first.chosen;
-  ASSERT_EQ(first.powerSgdSteps, 6);
-  const AutoRun resumed = runAuto(10e9, saveDir, 12);
-  EXPECT_EQ(resumed.chosen, first.chosen);
-  EXPECT_TRUE(resumed.powerSgdState);
-  EXPECT_EQ(resumed.powerSgdSteps, 12) << "the saved step count goes on";
-  // allreduce_predicted_s follows what is sent: PowerSGD's bytes, not the plain 1.05 MB.
-  EXPECT_GT(resumed.predicted, 0.0);
-  EXPECT_LT(resumed.predicted, 0.1 * 1.05e6 / 10e9);
-  // Without a state file the same fast link keeps the plain allreduce.
-  EXPECT_EQ(runAuto(10e9, hddp::testing::makeTempDir(), 3).chosen, "none");
-}

@@ -54,9 +54,19 @@ struct OneRankJob {
   }
 };
 
-OneRankJob& job() {
-  static OneRankJob* theJob = new OneRankJob("");  // never destroyed: fuzzing ends in exit()
-  return *theJob;
+OneRankJob*& theJob() {
+  static OneRankJob* job = new OneRankJob("");  // never destroyed: fuzzing ends in exit()
+  return job;
+}
+
+OneRankJob& job() { return *theJob(); }
+
+// A load refused after it began to copy the file in leaves the Trainer refusing every
+// call (half loaded): the next input gets a fresh job. Any refused load does, since which
+// one it was is not told; a job is cheap to make.
+void renewJob() {
+  delete theJob();
+  theJob() = new OneRankJob("");
 }
 
 void putLittleEndian(std::string& bytes, size_t at, uint64_t value, int n) {
@@ -91,6 +101,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   putLittleEndian(fixed, 16, hddp::crc32Of(fixed.data() + kHeader, size - kHeader), 4);
   const std::string path = hddp::fuzz::writeInput(reinterpret_cast<const uint8_t*>(fixed.data()),
                                                   fixed.size(), "state-00000002.hddp");
-  hddp::fuzz::refusedCleanly("Trainer::load", [&] { job().trainer->load(path); });
+  if (!hddp::fuzz::refusedCleanly("Trainer::load", [&] { job().trainer->load(path); })) {
+    renewJob();
+  }
   return 0;
 }

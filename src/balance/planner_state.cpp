@@ -95,6 +95,11 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
                         torch::serialize::InputArchive& own) {
   State state;
   const at::Tensor plan = readEntry(shared, "plan", at::kLong);
+  // A file saved by another number of ranks is loadRemapped's: here a count that differs
+  // is a damaged file (restore() would call it a ConfigError, a caller's mistake).
+  HDDP_CHECK_AS(StateError, plan.numel() == comm_.size(), "the planner's saved plan is for ",
+                plan.numel(), " ranks, not ", comm_.size(),
+                " (the state file is damaged or not hddp's)");
   state.plan.local.assign(plan.data_ptr<int64_t>(), plan.data_ptr<int64_t>() + plan.numel());
   state.plan.global = options_.globalBatch;
   // Each rank's loader takes its share as a batch size: a share beyond the global batch
@@ -120,6 +125,11 @@ void BatchPlanner::load(torch::serialize::InputArchive& shared,
     state.window.push_back(RankEstimator::Sample{w[0], w[1], w[2], w[3], w[4]});
   }
   state.costs = readCosts(shared);
+  // save() writes a cost per rank, or none before there is one.
+  HDDP_CHECK_AS(StateError,
+                state.costs.empty() || static_cast<int>(state.costs.size()) == comm_.size(),
+                "the planner's saved costs are for ", state.costs.size(), " ranks, not ",
+                comm_.size(), " (the state file is damaged or not hddp's)");
   restore(state);
 }
 
@@ -162,9 +172,12 @@ void BatchPlanner::loadRemapped(torch::serialize::InputArchive& shared,
     }
   }
   std::vector<RankEstimator::Sample> window;
-  if (own) {
+  if (own) {  // checked as load() checks it
     const at::Tensor w = readEntry(*own, "window", at::kDouble);
-    for (int64_t i = 0; w.dim() == 2 && w.size(1) == 5 && i < w.size(0); ++i) {
+    HDDP_CHECK_AS(StateError, w.dim() == 2 && w.size(1) == 5,
+                  "the planner's measurement window has shape ", w.sizes(),
+                  ", not [steps, 5] (written by an older hddp?)");
+    for (int64_t i = 0; i < w.size(0); ++i) {
       const double* v = w.data_ptr<double>() + 5 * i;
       window.push_back(RankEstimator::Sample{v[0], v[1], v[2], v[3], v[4]});
     }
@@ -197,7 +210,10 @@ std::vector<RankCost> BatchPlanner::readCosts(torch::serialize::InputArchive& sh
         costFromFields(costs.data_ptr<double>() + static_cast<int64_t>(kRankCostFields) * i));
   }
   const at::Tensor caps = readEntry(shared, "caps", at::kLong);
-  out.resize(std::max<size_t>(out.size(), static_cast<size_t>(caps.numel())));
+  // save() writes a cap for each rank it writes costs of.
+  HDDP_CHECK_AS(StateError, caps.numel() == costs.size(0), "the planner's state holds ",
+                caps.numel(), " memory caps for ", costs.size(0),
+                " ranks' costs (the state file is damaged or not hddp's)");
   for (int64_t i = 0; i < caps.numel(); ++i) {
     const int64_t cap = caps.data_ptr<int64_t>()[i];
     if (cap >= 0) {

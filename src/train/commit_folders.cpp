@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <random>
 #include <set>
 
@@ -25,6 +27,34 @@ namespace fs = std::filesystem;
 
 std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
 std::string stringOf(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+// What a rank tells the others of a failure it met: "!<why>" for one of the folder or its
+// files (a StateError on every rank), "#<why>" for running out of memory, which no file
+// causes and no rank may skip past (an hddp::Error on every rank). Call in a catch block.
+std::string failure() {
+  try {
+    throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    return std::string("#") + e.what_without_backtrace();
+  } catch (const std::bad_alloc& e) {
+    return std::string("#") + e.what();
+  } catch (const c10::Error& e) {
+    return std::string("!") + e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return std::string("!") + e.what();
+  } catch (...) {
+    return "!an unknown error";
+  }
+}
+
+// Throws, on every rank alike, what rank `r` said (failure()'s form) when it failed.
+void throwIfFailed(int r, const std::string& said, const std::string& what) {
+  if (said.empty()) {
+    return;
+  }
+  HDDP_CHECK(said[0] != '#', what, ": rank ", r, " ran out of memory (", said.substr(1), ")");
+  HDDP_THROW(StateError, what, ": rank ", r, ": ", said.substr(said[0] == '!' ? 1 : 0));
+}
 
 std::string tokenName(const std::string& nonce, int rank) {
   return ".hddp-folder-" + nonce + "-" + std::to_string(rank);
@@ -89,37 +119,45 @@ FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool creat
       alone = !create && !token.good();
       HDDP_CHECK_AS(StateError, alone || token.good(), "cannot write in the save folder ", dir,
                     " (read-only? full?)");
-    } catch (const c10::Error& e) {
-      problem = e.what_without_backtrace();
+    } catch (...) {  // whatever it is, the others hear of it in the allgather below
+      problem = failure();
     }
   // Every rank's token is written before any rank looks.
   const auto written = comm.allgatherBytes(bytesOf(problem));
   int lowest = comm.rank();
-  if (problem.empty() && !alone) {
-    // A listing, not a lookup by name: opening the folder revalidates it on a network
-    // file system, where a lookup may answer from a cache that has not seen the file.
-    std::set<std::string> seen;
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(dir, ec)) {
-      seen.insert(entry.path().filename().string());
-    }
-    for (int r = 0; r < comm.size(); ++r) {
-      if (written[static_cast<size_t>(r)].empty() && seen.count(tokenName(nonce, r))) {
-        lowest = r;
-        break;
+  std::string listing;  // failure()'s form, when the listing failed
+  if (problem.empty() && !alone) try {
+      // A listing, not a lookup by name: opening the folder revalidates it on a network
+      // file system, where a lookup may answer from a cache that has not seen the file.
+      std::set<std::string> seen;
+      std::error_code ec;
+      for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+        seen.insert(it->path().filename().string());
       }
+      HDDP_CHECK_AS(StateError, !ec, "cannot list the save folder ", dir, ": ", ec.message());
+      for (int r = 0; r < comm.size(); ++r) {
+        if (written[static_cast<size_t>(r)].empty() && seen.count(tokenName(nonce, r))) {
+          lowest = r;
+          break;
+        }
+      }
+    } catch (...) {  // told in the allgather below, so that no rank leaves before it
+      listing = failure();
     }
-  }
-  const std::string me = std::to_string(lowest);
+  const std::string me = listing.empty() ? std::to_string(lowest) : listing;
   const auto all = comm.allgatherBytes(bytesOf(me));
   std::error_code ec;
   if (!alone) {
     fs::remove(mine, ec);
   }
   for (int r = 0; r < comm.size(); ++r) {
-    const std::string said = stringOf(written[static_cast<size_t>(r)]);
-    HDDP_CHECK_AS(StateError, said.empty(), "rank ", r, ": ", said);
-    groups.writer.push_back(std::stoi(stringOf(all[static_cast<size_t>(r)])));
+    throwIfFailed(r, stringOf(written[static_cast<size_t>(r)]), "the save folder " + dir);
+  }
+  for (int r = 0; r < comm.size(); ++r) {
+    const std::string said = stringOf(all[static_cast<size_t>(r)]);
+    throwIfFailed(r, said.empty() || std::isdigit(static_cast<unsigned char>(said[0])) ? "" : said,
+                  "the save folder " + dir);
+    groups.writer.push_back(std::stoi(said));
   }
   if (groups.count() > 1) {
     std::string writers;
@@ -169,6 +207,10 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
           found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5))) + " " +
                   std::to_string(id);
           scanned = std::move(payload);
+        } catch (const c10::OutOfMemoryError&) {  // no verdict on the file: reported below
+          throw;
+        } catch (const std::bad_alloc&) {
+          throw;
         } catch (const std::exception& e) {  // a damaged file, or one `accept` cannot read
           const auto* error = dynamic_cast<const c10::Error*>(&e);
           HDDP_LOG_WARN("train", "skipping ", *it, ": ",
@@ -180,12 +222,8 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
                 " state files (state-NNNNNNNN.hddp) in " + groups.dir +
                 " is valid (see the warnings above); move them away to start fresh";
       }
-    } catch (const c10::Error& e) {
-      found = "!" + std::string(e.what_without_backtrace());
-    } catch (const std::exception& e) {
-      found = "!" + std::string(e.what());
-    } catch (...) {
-      found = "!an unknown error while reading " + groups.dir;
+    } catch (...) {  // an unreadable folder ("!"), or out of memory ("#": fails every rank)
+      found = failure();
     }
   }
   const auto all = comm.allgatherBytes(bytesOf(std::to_string(refused) + " " + found));
@@ -202,6 +240,9 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
     const std::string said = line.substr(space + 1);
     if (said.empty()) {
       continue;
+    }
+    if (said[0] == '#') {  // a failure, never a folder to pass over
+      throwIfFailed(r, said, "cannot resume");
     }
     if (said[0] == '!') {
       problem = problem.empty() ? "rank " + std::to_string(r) + ": " + said.substr(1) : problem;
@@ -282,15 +323,14 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
       if (keep && myWriter == rank) {
         writeStateFile(chosen.path, chosen.payload);
       }
-    } catch (const c10::Error& e) {
-      problemHere = e.what_without_backtrace();
+    } catch (...) {  // whatever it is (out of memory too), the others hear of it below
+      problemHere = failure();
     }
   }
   // Every rank learns whether the transfer worked, so none trains on alone.
   const auto outcome = comm.allgatherBytes(bytesOf(problemHere));
   for (int r = 0; r < comm.size(); ++r) {
-    const std::string said = stringOf(outcome[static_cast<size_t>(r)]);
-    HDDP_CHECK_AS(StateError, said.empty(), "cannot resume: rank ", r, ": ", said);
+    throwIfFailed(r, stringOf(outcome[static_cast<size_t>(r)]), "cannot resume");
   }
   if (scannedIsChosen && chosen.payload.empty()) {
     chosen.payload = std::move(scanned);

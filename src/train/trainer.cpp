@@ -356,6 +356,7 @@ BatchPlan Trainer::Impl::currentPlan() const {
 }
 
 TrainSummary Trainer::Impl::fit() {
+  checkWhole();  // the same on every rank: no collective before it
   // Faults on purpose (HDDP_FAULT): a rank whose variable does not parse fails with the
   // others, not before their first collective.
   agreeOutcome<ConfigError>(comm_, "reading HDDP_FAULT", [&] {

@@ -55,6 +55,8 @@ class Trainer::Impl {
   /// Loads a state file, or the newest commit of a folder (the ranks' own folders where
   /// they differ); false when there was none.
   bool load(const std::string& fileOrDirectory, const train::LoadOptions& options = {});
+  /// Throws hddp::Error when a load failed part-way (halfLoaded_).
+  void checkWhole() const;
   /// The planner's plan, or the equal split without balancing.
   BatchPlan currentPlan() const;
 
@@ -159,6 +161,9 @@ class Trainer::Impl {
   std::vector<RankCost> seedCosts_;
   // Which ranks share the save folder (found at the first save or resume).
   train::FolderGroups saveFolders_;
+  // Why a load that failed part-way left this Trainer half loaded (empty: it did not);
+  // the same on every rank. fit(), save() and load() then refuse (checkWhole()).
+  std::string halfLoaded_;
   // A step's buffers and RNG before its forward, for a step that is abandoned (set when
   // out-of-memory recovery is on).
   std::unique_ptr<train::StepRollback> rollback_;

@@ -28,6 +28,7 @@ train::StateParts Trainer::Impl::stateParts() {
 }
 
 std::string Trainer::Impl::save() {
+  checkWhole();
   HDDP_CHECK_AS(ConfigError, !options_.saveDir.empty(),
                 "Trainer::save() needs TrainerOptions::saveDir");
   const auto t0 = Clock::now();
@@ -70,23 +71,32 @@ std::string Trainer::Impl::saveMidEpoch() {
   return path;
 }
 
+void Trainer::Impl::checkWhole() const {
+  HDDP_CHECK(halfLoaded_.empty(), "a state file failed to load part-way (", halfLoaded_,
+             "): this Trainer's model, optimizer and other parts may be half loaded; construct "
+             "a new Trainer (and model and optimizer) to go on");
+}
+
 bool Trainer::Impl::load(const std::string& fileOrDirectory, const train::LoadOptions& options) {
+  checkWhole();
   train::LoadedState loaded;
+  bool partlyLoaded = false;
   try {
-    loaded = train::loadState(stateParts(), fileOrDirectory, options_.globalBatch, options);
-  } catch (const Error&) {
-    throw;
-  } catch (const std::bad_alloc&) {
+    train::StateParts parts = stateParts();
+    parts.partlyLoaded = &partlyLoaded;
+    // What LibTorch refuses in a state file's contents is a StateError there (a file to
+    // discard); running out of memory and a device's failure pass as they are.
+    loaded = train::loadState(parts, fileOrDirectory, options_.globalBatch, options);
+  } catch (const c10::Error& e) {
+    if (partlyLoaded) {  // on every rank alike (loadState's steps are agreed)
+      halfLoaded_ = e.what_without_backtrace();
+    }
     throw;
   } catch (const std::exception& e) {
-    // What LibTorch refuses in a state file's contents (a check of its own, a value out of
-    // a type's range) is the file's fault: a StateError on every rank (the others learnt
-    // of it in loadState's agreement), with LibTorch's words. Each such case the fuzzers
-    // find is still fixed where it arises, with a message of its own.
-    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
-    HDDP_THROW(StateError, "cannot resume from ", fileOrDirectory, ": LibTorch refused what ",
-               "the state file holds (", c10 ? c10->what_without_backtrace() : e.what(),
-               "); it is damaged or not hddp's. Resume from an earlier state file.");
+    if (partlyLoaded) {
+      halfLoaded_ = e.what();
+    }
+    throw;
   }
   if (loaded.path.empty()) {
     if (options.onlyRunId.empty()) {

@@ -125,6 +125,10 @@ struct StateParts {
   /// Which ranks share the save folder (commit_folders.h), found at the first save to a
   /// folder and kept here for the next (null: found at each save).
   FolderGroups* folders = nullptr;
+  /// Set to true by loadState once it begins to change the parts (every entry it reads
+  /// was read and checked on every rank before): a load that fails after that may have
+  /// left them half loaded, alike on every rank. Null: not told.
+  bool* partlyLoaded = nullptr;
 };
 
 /// The DDP compression `spec` names (its rank aside).

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <new>
 #include <sstream>
 #include <vector>
 
@@ -25,19 +26,12 @@
 #include "train/commit_folders.h"
 #include "train/elastic.h"
 #include "train/state_archive.h"
+#include "train/state_load_steps.h"
 #include "train/trainer_state.h"
 
 namespace hddp {
 namespace train {
 namespace {
-
-InputArchive savedBlob(InputArchive& file, int64_t index, const std::string& path) {
-  const std::string key = "rank" + std::to_string(index);
-  const std::string bytes = tensorBytes(readTensor(file, key, path));
-  InputArchive blob;
-  loadArchive(blob, bytes, "state file " + path + ": its '" + key + "'", std::nullopt);
-  return blob;
-}
 
 // Who saved each rank's part of the file (its slot, or -(rank + 1)).
 std::vector<int64_t> savedMembers(InputArchive& file, int64_t savedRanks, const std::string& path) {
@@ -64,91 +58,26 @@ std::vector<int> matchMembers(const StateParts& parts, const std::vector<int64_t
   return from;
 }
 
-// PowerSGD's state from a saved rank's part. The step and the Q memories are the same
-// on every rank; the error memories are the rank's own, in units of its 1/n part of the
-// sum: where the group changed they no longer fit and start from zero (logged). A file
-// saved without PowerSGD leaves the hook to start fresh.
-void loadPowerSgd(PowerSgdState& state, InputArchive& saved, bool sameGroup, int ranks,
-                  int64_t savedRanks) {
-  InputArchive archive;
-  if (!saved.try_read("powersgd", archive)) {
-    HDDP_LOG_INFO("train", "the state file holds no PowerSGD state: it starts afresh");
-    return;
-  }
-  std::vector<std::pair<std::string, at::Tensor>> items;
-  bool droppedErrors = false;
-  for (const auto& key : archive.keys()) {
-    if (!sameGroup && (key.rfind("error/", 0) == 0 || key.rfind("error.", 0) == 0)) {
-      droppedErrors = true;
-      continue;
-    }
-    at::Tensor t;
-    archive.read(key, t);
-    items.emplace_back(key, t);
-  }
-  state.loadStateDict(items);
-  if (droppedErrors) {
-    HDDP_LOG_INFO("train", "PowerSGD: saved by ", savedRanks, " ranks, resumed by ", ranks,
-                  " in another group: error memories start from zero (Q memories and the "
-                  "step count go on)");
-  }
-}
-
-// This rank's own part: its RNGs from the saved rank it continues (none for a newcomer,
-// which keeps its own), then the planner, remapped when the members changed.
-void loadRankBlob(const StateParts& parts, InputArchive& file, InputArchive* plannerShared,
-                  const std::vector<int>& from, int64_t savedRanks, const std::string& path) {
-  const int source = from[static_cast<size_t>(parts.comm.rank())];
-  bool same = savedRanks == static_cast<int64_t>(from.size());
-  for (size_t r = 0; r < from.size(); ++r) {
-    same = same && from[r] == static_cast<int>(r);
-  }
-  InputArchive mine;
-  InputArchive own;
-  const bool hasOwn = source >= 0;
-  if (hasOwn) {
-    mine = savedBlob(file, source, path);
-    setGeneratorState(at::detail::getDefaultCPUGenerator(), readTensor(mine, "cpu_rng", path));
-    const c10::Device device = parts.device;
-    at::Tensor deviceRng;
-    if (device.type() != c10::kCPU && mine.try_read("device_rng", deviceRng)) {
-      setGeneratorState(at::globalContext().defaultGenerator(device), deviceRng);
-    }
-  }
-  if (parts.planner && plannerShared) {
-    if (hasOwn) {
-      readArchive(mine, "planner", own, path);
-    }
-    if (same) {
-      parts.planner->load(*plannerShared, own);
-    } else {
-      parts.planner->loadRemapped(*plannerShared, hasOwn ? &own : nullptr, from);
-    }
-  }
-  if (parts.powerSgd) {
-    if (hasOwn) {
-      loadPowerSgd(*parts.powerSgd, mine, same, static_cast<int>(from.size()), savedRanks);
-    } else {  // a newcomer: the step and Q memories are rank 0's as everyone's
-      InputArchive first = savedBlob(file, 0, path);
-      loadPowerSgd(*parts.powerSgd, first, same, static_cast<int>(from.size()), savedRanks);
-    }
-  }
-}
-
 // A state file named by the user: rank 0 checks it and tells the others (its error
 // reaches every rank, so none waits for the others until a timeout).
 std::string chooseStateFile(Communicator& comm, const std::string& file) {
-  std::string problem;
+  std::string problem;  // "!<why>": the file's fault; "#<why>": another failure (memory)
   if (comm.rank() == 0) try {
       readStateFile(file);
+    } catch (const c10::OutOfMemoryError& e) {
+      problem = std::string("#") + e.what_without_backtrace();
     } catch (const c10::Error& e) {
-      problem = e.what_without_backtrace();
-    } catch (const std::exception& e) {  // bad_alloc: the others must still hear of it
-      problem = e.what();
+      problem = std::string("!") + e.what_without_backtrace();
+    } catch (const std::bad_alloc& e) {  // the others must still hear of it
+      problem = std::string("#") + e.what();
+    } catch (const std::exception& e) {
+      problem = std::string("!") + e.what();
     }
-  const std::string mine = problem.empty() ? file : "!" + problem;
+  const std::string mine = problem.empty() ? file : problem;
   const auto all = comm.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
   const std::string decided(all[0].begin(), all[0].end());
+  HDDP_CHECK(decided.empty() || decided[0] != '#', "cannot resume from ", file,
+             ": rank 0 failed while reading it (", decided.substr(1), ")");
   HDDP_CHECK_AS(StateError, decided.empty() || decided[0] != '!',
                 "cannot resume: ", decided.substr(decided.empty() ? 0 : 1));
   return decided;
@@ -162,90 +91,6 @@ bool namesAFile(Communicator& comm, const std::string& path) {
                     (std::filesystem::exists(path, ec) && !std::filesystem::is_directory(path, ec));
   const auto all = comm.allgatherBytes({static_cast<uint8_t>(file ? 1 : 0)});
   return all[0].at(0) == 1;
-}
-
-// The loaded optimizer state (on the host) goes to each parameter's device, as PyTorch's
-// Optimizer.load_state_dict casts it: a momentum buffer of rank 0's cuda:0 must not stay
-// on the host or on cuda:0 for a rank training on cuda:1. Any optimizer's per-parameter
-// state moves through its own serialization (an archive loaded onto the device), so
-// LBFGS and users' optimizers move as SGD and Adam do.
-void moveOptimizerStateToParameters(torch::optim::Optimizer& optimizer) {
-  auto& state = optimizer.state();
-  for (auto& group : optimizer.param_groups()) {
-    for (auto& p : group.params()) {
-      const auto it = state.find(p.unsafeGetTensorImpl());
-      if (it == state.end() || !it->second || p.device().is_cpu()) {
-        continue;  // loaded onto the host already
-      }
-      OutputArchive out;
-      it->second->serialize(out);
-      std::ostringstream bytes;
-      out.save_to(bytes);
-      std::istringstream in(bytes.str());
-      InputArchive onDevice;
-      onDevice.load_from(in, p.device());
-      it->second->serialize(onDevice);
-    }
-  }
-}
-
-// Model, buffers, optimizer and scaler: copied into what the Trainer already holds.
-void loadModelAndOptimizer(const StateParts& parts, InputArchive& archive,
-                           const std::string& path) {
-  try {
-    torch::NoGradGuard noGrad;
-    auto copyInto = [&](const std::string& key, at::Tensor target) {
-      at::Tensor saved;
-      HDDP_CHECK_AS(StateError, archive.try_read(key, saved), "state file ", path, " has no '", key,
-                    "': it was saved from a different model");
-      HDDP_CHECK_AS(StateError, saved.sizes() == target.sizes(), "state file ", path, ": '", key,
-                    "' has shape ", saved.sizes(), ", the model's is ", target.sizes());
-      target.copy_(saved);
-    };
-    for (const auto& item : parts.model.named_parameters(/*recurse=*/true)) {
-      copyInto("model." + item.key(), item.value());
-    }
-    for (const auto& item : parts.model.named_buffers(/*recurse=*/true)) {
-      copyInto("buffer." + item.key(), item.value());
-    }
-    InputArchive zero;
-    const bool sharded = archive.try_read("zero", zero);
-    if (parts.sharded) {
-      HDDP_CHECK_AS(StateError, sharded, "state file ", path,
-                    " holds a whole optimizer (saved without --zero); resume it with --zero 0");
-      at::Tensor count;
-      zero.read("parts", count);
-      std::vector<std::vector<uint8_t>> optimizerParts;
-      for (int64_t r = 0; r < count.item<int64_t>(); ++r) {
-        at::Tensor bytes;
-        zero.read("part" + std::to_string(r), bytes);
-        HDDP_CHECK_AS(StateError, bytes.scalar_type() == at::kByte, "state file ", path,
-                      ": its ZeRO optimizer part ", r, " is no byte tensor");
-        const std::string part = tensorBytes(bytes);
-        // Each part is an archive that ShardedOptimizer::loadShards hands to LibTorch.
-        checkTorchArchive(part,
-                          "state file " + path + ": its ZeRO optimizer part " + std::to_string(r));
-        optimizerParts.emplace_back(part.begin(), part.end());
-      }
-      parts.sharded->loadShards(optimizerParts);
-    } else {
-      HDDP_CHECK_AS(StateError, !sharded, "state file ", path,
-                    " holds an optimizer sharded by ZeRO (saved with --zero 1 or 2); resume "
-                    "it with --zero 1 or 2 (any number of ranks and shares)");
-      InputArchive optimizerArchive;
-      readArchive(archive, "optimizer", optimizerArchive, path);
-      parts.optimizer.load(optimizerArchive);
-      moveOptimizerStateToParameters(parts.optimizer);
-    }
-    InputArchive scalerArchive;
-    readArchive(archive, "scaler", scalerArchive, path);
-    parts.scaler.load(scalerArchive);
-  } catch (const StateError&) {
-    throw;
-  } catch (const c10::Error& e) {
-    HDDP_THROW(StateError, "state file ", path,
-               " does not fit this model or optimizer: ", e.what_without_backtrace());
-  }
 }
 
 // The compression the file was trained with, against this run's: adopted when
@@ -338,14 +183,16 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   if (path.empty()) {
     return loaded;  // an empty or missing folder: nothing to resume
   }
-  // Read and applied on each rank, then agreed: a rank that cannot read the file (one not
-  // visible on its node) or whose load fails throws, and the others learn it at once
-  // instead of waiting for it in matchMembers' exchange.
+  // Read and checked on each rank, then agreed, before anything changes: a rank that
+  // cannot read the file (one not visible on its node) or finds it wanting throws, and the
+  // others learn it at once instead of waiting for it in matchMembers' exchange; the
+  // Trainer stays as it was on every rank.
   InputArchive archive;
+  SharedPart shared;
   InputArchive plannerShared;
   bool hasPlanner = false;
   std::vector<int64_t> members;  // who saved each rank's part
-  agreeOutcome<StateError>(parts.comm, "loading " + path, [&] {
+  agreeLoadStep(parts.comm, path, [&] {
     if (payload.empty()) try {
         payload = readStateFile(path);
       } catch (const StateError&) {
@@ -362,33 +209,14 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     // StateError naming the file, which the others learn too.
     loadArchive(archive, payload, "state file " + path, c10::Device(c10::kCPU));
     loaded.meta = decode(readTensor(archive, "meta", path), path);
-    at::Tensor progress;
-    if (archive.try_read("progress", progress) && progress.numel() == 7) {
-      const at::Tensor p = progress.to(at::kDouble).contiguous();
-      const double* v = p.data_ptr<double>();
-      // A count beyond int64 would be converted out of range (undefined behaviour).
-      const auto count = [&path](double x) {
-        HDDP_CHECK_AS(StateError, x >= -9.0e18 && x <= 9.0e18, "state file ", path,
-                      ": its progress record holds a count of ", x,
-                      "; resume from an earlier state file");
-        return static_cast<int64_t>(x);
-      };
-      StateMeta::Progress& g = loaded.meta.progress;
-      g.epochLossSum = v[0];
-      g.epochSamples = count(v[1]);
-      g.epochSteps = count(v[2]);
-      g.budgetSeconds = v[3];
-      g.budgetEvaluationSeconds = v[4];
-      g.budgetStartStep = count(v[5]);
-      g.budgetSteps = count(v[6]);
-      g.present = true;
-    }
+    loaded.meta.progress = readProgress(archive, path);
     HDDP_CHECK_AS(StateError, loaded.meta.globalBatch == globalBatch, "state file ", path,
                   " was saved with global batch ", loaded.meta.globalBatch, "; this job uses ",
                   globalBatch, ". Resume with the same global batch.");
-    loadModelAndOptimizer(parts, archive, path);
+    readModelAndOptimizer(parts, archive, path, shared);
     loaded.sampler = DistributedSampler::State::load(archive);
     hasPlanner = parts.planner && archive.try_read("planner", plannerShared);
+    // Every saved rank's part is there and readable, whichever this rank continues.
     members = savedMembers(archive, loaded.meta.worldSize, path);
   });
   const StateMeta& meta = loaded.meta;
@@ -407,12 +235,32 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
                     " ranks; it loads into ", parts.comm.size(), " (rank<-saved rank: ", map,
                     "); the sampler goes on with the same global order");
   }
-  // Each rank's own part (its saved rank's blob) and what DDP adopts, agreed as above.
-  agreeOutcome<StateError>(parts.comm, "loading " + path, [&] {
+  // Each rank's own part (its saved rank's blob), read and checked, agreed as above.
+  OwnPart own;
+  agreeLoadStep(parts.comm, path,
+                [&] { own = readOwnPart(parts, archive, from, meta.worldSize, hasPlanner, path); });
+  // The planner first, agreed: where it failed on some rank, every rank puts back the
+  // state it had, so that all plan alike.
+  if (parts.planner && hasPlanner) {
+    const BatchPlanner::State before = parts.planner->state();
+    try {
+      agreeLoadStep(parts.comm, path, [&] { loadPlanner(parts, own, plannerShared, from); });
+    } catch (...) {
+      parts.planner->restore(before);
+      throw;
+    }
+  }
+  // Then the rest, agreed too. What fails now (an optimizer's or a scaler's own load, the
+  // memory the copies need) may leave the parts half loaded, on every rank alike:
+  // `partlyLoaded` tells the Trainer.
+  if (parts.partlyLoaded) {
+    *parts.partlyLoaded = true;
+  }
+  agreeLoadStep(parts.comm, path, [&] {
     const StateParts adopted = adoptSavedCompression(parts, archive, path);
     loaded.compression = adopted.compression;
-    loadRankBlob(adopted, archive, hasPlanner ? &plannerShared : nullptr, from, meta.worldSize,
-                 path);
+    applyOwnPart(adopted, own, from, meta.worldSize);
+    applyModelAndOptimizer(parts, shared, path);
     at::Tensor order;
     if (parts.ddp && archive.try_read("ddp_order", order)) {
       std::vector<std::string> names;

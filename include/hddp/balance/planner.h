@@ -144,14 +144,16 @@ class BatchPlanner {
   /// `shared` and this rank's own measurement window into `own`: what the Trainer's
   /// state files keep of the planner.
   void save(torch::serialize::OutputArchive& shared, torch::serialize::OutputArchive& own) const;
-  /// Reads what save() wrote (restore() rules apply); hddp::StateError when an entry is
-  /// missing.
+  /// Reads what save() wrote at this world size; hddp::StateError when an entry is
+  /// missing or malformed, or holds a plan, costs or caps for another number of ranks.
+  /// Checks everything it reads before it changes anything.
   void load(torch::serialize::InputArchive& shared, torch::serialize::InputArchive& own);
   /// Reads what save() wrote with other ranks (an elastic job re-formed): rank r takes
   /// the estimates and memory cap of saved rank fromSaved[r] (-1: a newcomer, which
   /// starts at the mean per-sample cost of the others until it is measured); `own`
   /// is this rank's saved window (null: none). The plan is solved afresh from those
-  /// costs. Every rank makes the same call.
+  /// costs. Every rank makes the same call. hddp::StateError, before anything changes,
+  /// when an entry is missing or malformed (the window too, as load() checks it).
   void loadRemapped(torch::serialize::InputArchive& shared, torch::serialize::InputArchive* own,
                     const std::vector<int>& fromSaved);
 

@@ -257,7 +257,15 @@ class Trainer {
   /// Saves the state now into saveDir (collective: every rank calls it); returns the
   /// file written by rank 0.
   std::string save();
-  /// Loads a state file, or the newest valid one in a directory (collective).
+  /// Loads a state file, or the newest valid one in a directory (collective). A file
+  /// that is damaged, not hddp's or does not fit is an hddp::StateError on every rank,
+  /// found before anything is changed: the Trainer goes on as it was. Running out of
+  /// memory (c10::OutOfMemoryError, std::bad_alloc) or a device's failure
+  /// (c10::AcceleratorError) passes as it is on the rank that met it (an hddp::Error on
+  /// the others). A load that fails after it began to copy the file in (an optimizer's
+  /// own load refusing its entries, memory running out) leaves the Trainer half loaded,
+  /// alike on every rank: fit(), save() and load() then throw hddp::Error telling to
+  /// construct a new Trainer.
   void load(const std::string& fileOrDirectory);
 
   int64_t step() const;

@@ -1,7 +1,9 @@
 // Image decoding (src/data/image_decode.cpp and the decoders it picks by the first bytes:
 // libpng for PNG, libjpeg-turbo for JPEG, hddp's own reader for PGM/PPM, stb_image for
 // GIF, BMP and TGA): hddp::decodeImage with 3 channels (the image folder datasets) and
-// data::decodeMask (the segmentation masks: 1 channel, 0/255 masks to 0/1).
+// data::decodeMask (the segmentation masks: class ids as the file stores them, a palette
+// PNG's indices, 16-bit values up to 255, RGB only where its colors are equal; 0/255
+// masks to 0/1).
 //
 // Beyond the rule of fuzz_support.h: a decoded image is [C, H, W] uint8 with C as asked.
 #include <ATen/core/Tensor.h>

@@ -305,7 +305,7 @@ SegmentationFolderDataset::SegmentationFolderDataset(const std::string& dir, int
   // Class count and the 0/255 binary convention, from the masks themselves.
   std::set<int64_t> values;
   for (const auto& pair : pairs_) {
-    at::Tensor u = std::get<0>(at::_unique(decodeImage(pair.second, 1)));
+    at::Tensor u = std::get<0>(at::_unique(decodeMask(pair.second, /*binary255=*/false)));
     for (int64_t i = 0; i < u.numel(); ++i) {
       values.insert(u[i].item<int64_t>());
     }

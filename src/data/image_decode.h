@@ -1,4 +1,5 @@
-// Image decoding behind hddp::decodeImage (image_decode.cpp), one decoder a format:
+// Image decoding behind hddp::decodeImage and the masks' data::decodeMask
+// (image_decode.cpp), one decoder a format:
 //
 //   PNG       libpng (image_png.cpp)
 //   JPEG      libjpeg-turbo (image_jpeg.cpp)
@@ -6,13 +7,14 @@
 //   GIF, BMP, TGA   stb_image, with its other loaders compiled out (image_stb.cpp)
 //
 // A build without libpng or libjpeg (a GPU machine with no package access, built with
-// HDDP_DEVICE_DEPS) compiles image_png_jpeg_stb.cpp instead of the first two: PNG and
-// JPEG through stb_image, as hddp did before.
+// HDDP_DEVICE_DEPS) compiles image_png_jpeg_stb.cpp instead of the first two, and
+// image_stb.cpp with HDDP_STB_PNG_JPEG: PNG and JPEG through stb_image, as hddp did before.
 //
 // Every decoder reads the width and height first and calls checkImagePixels before it
-// allocates anything for the pixels, and converts to the channels asked as stb_image does
-// (toChannels), so that a PNG, a PGM or a BMP decodes to the same pixels whichever
-// decoder reads it.
+// allocates anything for the pixels. An image is converted to the channels asked as
+// stb_image converts (toChannels), so that a PNG, a PGM or a BMP decodes to the same
+// pixels whichever decoder reads it; a mask keeps the numbers the file stores
+// (toClassIds): a palette PNG's indices, a gray value.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -66,22 +68,71 @@ struct Samples {
 /// converted in 16 bits, then their high byte kept.
 at::Tensor toChannels(const Samples& samples, int channels);
 
-/// The decoders. `bytes` is the whole file, at most 2 GiB (decodeImage checks); each
+/// [1, H, W] uint8 class ids from a mask's `samples`: gray (alpha dropped) as it is, RGB
+/// or RGBA whose three colors are equal in every pixel (gray stored as RGB) as that value.
+/// hddp::DataError naming `path` and the pixel for RGB whose colors differ (masks hold
+/// class ids in one channel: a palette PNG's indices or gray) and for a 16-bit value
+/// above 255.
+at::Tensor toClassIds(const Samples& samples, const std::string& path);
+
+/// What a decoder is asked for.
+struct DecodeRequest {
+  /// An image's channels: 1 or 3, converted by toChannels. Not used for a mask.
+  int channels = 3;
+  /// A mask: [1, H, W] class ids as the file stores them (toClassIds), not an image.
+  bool classIds = false;
+  ImageLimits limits;
+};
+
+/// toClassIds or toChannels, as `request` asks.
+at::Tensor toRequested(const Samples& samples, const DecodeRequest& request,
+                       const std::string& path);
+
+/// What a decoder written in C's manner reports (readPng, readJpeg: libpng and libjpeg
+/// report errors by longjmp, which must skip no destructor): plain data only.
+struct DecodeResult {
+  enum Status { kFailed, kTooLarge, kTruncated, kDecoded } status;
+  uint32_t width;
+  uint32_t height;
+  int channels;           // in `pixels`, interleaved
+  int bits;               // 8, or 16 big-endian
+  unsigned char* pixels;  // malloc'd; acceptDecoded frees it
+  char message[256];      // why it failed (kFailed, kTruncated), in the decoder's words
+  int warnings;           // how many the decoder gave while it went on
+  char warning[256];      // the first of them
+};
+
+/// The tensor `request` asks for from `result`, which the decoder of `format` made from
+/// `fileBytes` bytes of `path`; frees result.pixels on every path. hddp::DataError naming
+/// `path` when the image is larger than allowed, truncated or failed; a decoder's
+/// warnings are logged, once per file and process.
+at::Tensor acceptDecoded(DecodeResult& result, const std::string& path, const ImageFormat& format,
+                         size_t fileBytes, const DecodeRequest& request);
+
+/// The decoders. `bytes` is the whole file, at most 2 GiB (decodeFile checks); each
 /// throws hddp::DataError naming `path` and what is wrong.
-at::Tensor decodePng(const std::string& bytes, const std::string& path, int channels,
-                     const ImageLimits& limits);
+at::Tensor decodePng(const std::string& bytes, const std::string& path,
+                     const DecodeRequest& request);
 /// `soi`: where the JPEG's SOI marker (0xFF 0xD8) begins; fill bytes (0xFF) may come
 /// before it, which stb_image skipped too.
-at::Tensor decodeJpeg(const std::string& bytes, size_t soi, const std::string& path, int channels,
-                      const ImageLimits& limits);
-at::Tensor decodePnm(const std::string& bytes, const std::string& path, int channels,
-                     const ImageLimits& limits);
-/// GIF, BMP and TGA (a file no other decoder claims is tried as TGA, as stb_image does).
-at::Tensor decodeWithStb(const std::string& bytes, const std::string& path, int channels,
-                         const ImageLimits& limits);
+at::Tensor decodeJpeg(const std::string& bytes, size_t soi, const std::string& path,
+                      const DecodeRequest& request);
+at::Tensor decodePnm(const std::string& bytes, const std::string& path,
+                     const DecodeRequest& request);
+/// Through stb_image: GIF, BMP and TGA (`format` from the first bytes; a file no other
+/// decoder claims is tried as TGA, as stb_image does), and PNG and JPEG in the fallback
+/// build. An image's channels are converted by stb_image; a mask gets the channels the
+/// file has (stb_image expands a GIF's, a BMP's or a TGA's palette to RGB: such a mask
+/// must have a gray palette).
+at::Tensor decodeWithStb(const std::string& bytes, const std::string& path,
+                         const ImageFormat& format, const DecodeRequest& request);
 
-/// What decodes PNG and JPEG in this build, for messages and tests: "libpng 1.6.39,
-/// libjpeg-turbo 2.1.5 (libjpeg API 62)" or "stb_image (fallback)".
+/// Reads `path` and hands it to the decoder its first bytes name (decodeImage, decodeMask).
+at::Tensor decodeFile(const std::string& path, const DecodeRequest& request);
+
+/// What decodes PNG and JPEG in this build, with the versions compiled against, for
+/// messages and tests: "libpng 1.6.39, libjpeg-turbo 2.1.5 (libjpeg API 62)" or
+/// "stb_image (fallback)".
 std::string pngJpegDecoders();
 
 }  // namespace data

@@ -27,7 +27,9 @@ at::Tensor toFloatImage(const at::Tensor& u8);
 at::Tensor resizeImage(const at::Tensor& image, int size);
 /// [H, W] class indices -> size x size (nearest).
 at::Tensor resizeMask(const at::Tensor& mask, int size);
-/// A mask image as [H, W] int64 class indices; `binary255`: 0/255 masks become 0/1.
+/// A mask image as [H, W] int64 class ids, as the file stores them (data::toClassIds: a
+/// palette PNG's indices, gray values; RGB only where its colors are equal, else a
+/// DataError); `binary255`: 0/255 masks become 0/1.
 at::Tensor decodeMask(const std::string& path, bool binary255);
 
 }  // namespace data

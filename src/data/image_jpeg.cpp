@@ -4,18 +4,26 @@
 // the only function here that calls setjmp. As in image_png.cpp it is written in C's
 // manner: no object with a destructor lives in it or in the callbacks libjpeg calls, so
 // the jump skips nothing; all it reports travels in a JpegRead the caller owns, and the
-// pixels in a malloc'd buffer the caller frees on every path. Warnings (corrupt or
-// truncated entropy-coded data, which libjpeg fills in) are not printed and do not stop
-// the decoding, as stb_image, which hddp used before, decoded such files too.
+// pixels in a malloc'd buffer that acceptDecoded (image_decode.cpp) frees on every path.
+//
+// A file that ends early is refused (libjpeg's warning JWRN_JPEG_EOF: its memory source
+// then makes up an end of image, and the rest of the image would come out grey; Pillow
+// raises "image file is truncated" there). Other warnings (corrupt entropy-coded data,
+// which libjpeg fills in; extraneous bytes before a marker, common and harmless) do not
+// stop the decoding, as stb_image, which hddp used before, decoded such files too: the
+// first is logged, once per file.
 //
 // Pixels are libjpeg-turbo's defaults (accurate integer IDCT, smooth chroma upsampling),
 // equal to Pillow's: they differ from stb_image's by up to 3 levels, and by more in one
 // column of a 4:2:2 image, where stb_image 2.27 swaps its chroma weights
 // (tests/data/image_decode_test.cpp). Channels are chosen as stb_image chose them: one
 // channel of a YCbCr JPEG is its Y plane, one of an RGB JPEG is (77 R + 150 G + 29 B) >> 8,
-// CMYK and YCCK become RGB by multiplying each of C, M, Y by K (stbi__blinn_8x8).
+// CMYK and YCCK become RGB by multiplying each of C, M, Y by K (stbi__blinn_8x8). A mask
+// is asked for in its own color space (gray, or RGB for toClassIds to check).
 #include <ATen/core/Tensor.h>
 #include <jpeglib.h>
+// jerror.h after jpeglib.h: the message codes (JWRN_JPEG_EOF).
+#include <jerror.h>
 
 #include <csetjmp>
 #include <cstdio>  // jpeglib.h needs FILE and size_t declared first
@@ -40,14 +48,7 @@ struct JpegRead {
   size_t size;
   bool gray;  // one channel wanted
   int64_t allowedPixels;
-  enum Status { kDecoded, kFailed, kTooLarge } status;
-  JDIMENSION width;
-  JDIMENSION height;
-  J_COLOR_SPACE colorSpace;  // the file's
-  J_COLOR_SPACE outSpace;    // what libjpeg delivered
-  int components;            // in `pixels`, interleaved
-  unsigned char* pixels;     // malloc'd; the caller frees it
-  char message[JMSG_LENGTH_MAX];
+  DecodeResult result;
   // libjpeg's state lives here too, not in readJpeg: C leaves a local that changed
   // between setjmp and longjmp indeterminate after the jump.
   jpeg_decompress_struct jpeg;
@@ -56,24 +57,43 @@ struct JpegRead {
   jmp_buf jump;
 };
 
+static_assert(sizeof(DecodeResult::message) >= JMSG_LENGTH_MAX &&
+                  sizeof(DecodeResult::warning) >= JMSG_LENGTH_MAX,
+              "libjpeg's format_message writes JMSG_LENGTH_MAX bytes");
+
 void jpegFailed(j_common_ptr common) {
   auto* read = static_cast<JpegRead*>(common->client_data);
-  (*common->err->format_message)(common, read->message);
+  (*common->err->format_message)(common, read->result.message);
   std::longjmp(read->jump, 1);
 }
 
-void jpegMessage(j_common_ptr) {}  // warnings and traces: not printed
+// libjpeg's emit_message: level -1 a warning, 0 and above a trace (ignored).
+void jpegWarned(j_common_ptr common, int level) {
+  if (level >= 0) {
+    return;
+  }
+  auto* read = static_cast<JpegRead*>(common->client_data);
+  DecodeResult* const out = &read->result;
+  if (common->err->msg_code == JWRN_JPEG_EOF) {  // the data ends: no use decoding on
+    (*common->err->format_message)(common, out->message);
+    out->status = DecodeResult::kTruncated;
+    std::longjmp(read->jump, 1);
+  }
+  if (out->warnings++ == 0) {
+    (*common->err->format_message)(common, out->warning);
+  }
+}
 
 void jpegProgress(j_common_ptr common) {
   auto* read = static_cast<JpegRead*>(common->client_data);
   if (reinterpret_cast<j_decompress_ptr>(common)->input_scan_number > kMaxScans) {
-    std::snprintf(read->message, sizeof(read->message),
+    std::snprintf(read->result.message, sizeof(read->result.message),
                   "it has more than %d scans (a real JPEG has about 10)", kMaxScans);
     std::longjmp(read->jump, 1);
   }
 }
 
-// The output libjpeg is asked for (outSpace), from the file's color space.
+// The output libjpeg is asked for, from the file's color space.
 bool chooseOutput(j_decompress_ptr jpeg, JpegRead* read) {
   switch (jpeg->jpeg_color_space) {
     case JCS_GRAYSCALE:
@@ -96,106 +116,99 @@ bool chooseOutput(j_decompress_ptr jpeg, JpegRead* read) {
   }
 }
 
-// Returns with read->status set; never throws. `read` comes zeroed.
-void readJpeg(JpegRead* read) {
-  read->status = JpegRead::kFailed;
-  jpeg_decompress_struct* jpeg = &read->jpeg;
-  jpeg->err = jpeg_std_error(&read->errors);
-  read->errors.error_exit = jpegFailed;
-  read->errors.output_message = jpegMessage;
-  jpeg->client_data = read;  // kept by jpeg_create_decompress, which may fail already
-  if (setjmp(read->jump)) {
-    jpeg_destroy_decompress(jpeg);  // safe on a zeroed or partly made object
-    return;
-  }
-  jpeg_create_decompress(jpeg);
-  read->progress.progress_monitor = jpegProgress;
-  jpeg->progress = &read->progress;
-  jpeg_mem_src(jpeg, read->data, static_cast<unsigned long>(read->size));
-  jpeg_read_header(jpeg, TRUE);
-  read->width = jpeg->image_width;
-  read->height = jpeg->image_height;
-  read->colorSpace = jpeg->jpeg_color_space;
-  if (static_cast<int64_t>(read->width) * read->height > read->allowedPixels) {
-    read->status = JpegRead::kTooLarge;
-    jpeg_destroy_decompress(jpeg);
-    return;
-  }
-  if (!chooseOutput(jpeg, read)) {
-    std::snprintf(read->message, sizeof(read->message),
-                  "it has %d components in no color space hddp converts (libjpeg's "
-                  "J_COLOR_SPACE %d)",
-                  jpeg->num_components, static_cast<int>(jpeg->jpeg_color_space));
-    jpeg_destroy_decompress(jpeg);
-    return;
-  }
-  read->outSpace = jpeg->out_color_space;
-  jpeg_start_decompress(jpeg);
-  read->components = jpeg->output_components;
-  const size_t rowBytes = static_cast<size_t>(jpeg->output_width) * jpeg->output_components;
-  // At most allowedPixels (< 2^31) x 4 bytes.
-  read->pixels = static_cast<unsigned char*>(std::malloc(rowBytes * jpeg->output_height));
-  if (read->pixels == nullptr) {
-    std::snprintf(read->message, sizeof(read->message), "out of memory for the pixels");
-    jpeg_destroy_decompress(jpeg);
-    return;
-  }
-  while (jpeg->output_scanline < jpeg->output_height) {
-    JSAMPROW row = read->pixels + jpeg->output_scanline * rowBytes;
-    jpeg_read_scanlines(jpeg, &row, 1);
-  }
-  // Not jpeg_finish_decompress: what follows the last scan changes no pixel.
-  jpeg_destroy_decompress(jpeg);
-  read->status = JpegRead::kDecoded;
-}
-
 // stbi__blinn_8x8: x * y / 255, rounded.
 inline unsigned char blinn(unsigned x, unsigned y) {
   const unsigned t = x * y + 128;
   return static_cast<unsigned char>((t + (t >> 8)) >> 8);
 }
 
-}  // namespace
-
-at::Tensor decodeJpeg(const std::string& bytes, size_t soi, const std::string& path, int channels,
-                      const ImageLimits& limits) {
-  JpegRead read{};
-  read.data = reinterpret_cast<const unsigned char*>(bytes.data()) + soi;
-  read.size = bytes.size() - soi;
-  read.gray = channels == 1;
-  read.allowedPixels = allowedPixels(kJpeg, bytes.size(), limits);
-  readJpeg(&read);
-  struct FreePixels {
-    unsigned char* p;
-    ~FreePixels() { std::free(p); }
-  } owner{read.pixels};
-  if (read.status == JpegRead::kTooLarge) {
-    checkImagePixels(path, kJpeg, read.width, read.height, bytes.size(), limits);
-  }
-  HDDP_CHECK_AS(DataError, read.status == JpegRead::kDecoded, "cannot decode image ", path,
-                " (JPEG): ", read.message);
-  Samples samples;
-  samples.data = read.pixels;
-  samples.width = read.width;
-  samples.height = read.height;
-  samples.channels = read.components;
-  const size_t pixels = static_cast<size_t>(read.width) * read.height;
-  unsigned char* p = read.pixels;
-  if (read.outSpace == JCS_CMYK) {  // to RGB in place: C, M, Y times K
+// libjpeg's CMYK (C, M, Y, K) to RGB in place: C, M, Y times K; its YCCK (Y, Cb, Cr, K) to
+// gray: (255 - Y) times K. Other spaces stay as they are.
+void toRgbOrGray(J_COLOR_SPACE outSpace, DecodeResult* out) {
+  const size_t pixels = static_cast<size_t>(out->width) * out->height;
+  unsigned char* p = out->pixels;
+  if (outSpace == JCS_CMYK) {
     for (size_t i = 0; i < pixels; ++i) {
       const unsigned k = p[4 * i + 3];
       p[3 * i] = blinn(p[4 * i], k);
       p[3 * i + 1] = blinn(p[4 * i + 1], k);
       p[3 * i + 2] = blinn(p[4 * i + 2], k);
     }
-    samples.channels = 3;
-  } else if (read.outSpace == JCS_YCCK) {  // to gray in place: (255 - Y) times K
+    out->channels = 3;
+  } else if (outSpace == JCS_YCCK) {
     for (size_t i = 0; i < pixels; ++i) {
       p[i] = blinn(255 - p[4 * i], p[4 * i + 3]);
     }
-    samples.channels = 1;
+    out->channels = 1;
   }
-  return toChannels(samples, channels);
+}
+
+// Returns with read->result.status set; never throws. `read` comes zeroed.
+void readJpeg(JpegRead* read) {
+  DecodeResult* const out = &read->result;
+  out->status = DecodeResult::kFailed;
+  jpeg_decompress_struct* jpeg = &read->jpeg;
+  jpeg->err = jpeg_std_error(&read->errors);
+  read->errors.error_exit = jpegFailed;
+  read->errors.emit_message = jpegWarned;
+  jpeg->client_data = read;  // kept by jpeg_create_decompress, which may fail already
+  if (setjmp(read->jump)) {
+    jpeg_destroy_decompress(jpeg);  // safe on a zeroed or partly made object
+    return;                         // with out->status kFailed or kTruncated
+  }
+  jpeg_create_decompress(jpeg);
+  read->progress.progress_monitor = jpegProgress;
+  jpeg->progress = &read->progress;
+  jpeg_mem_src(jpeg, read->data, static_cast<unsigned long>(read->size));
+  jpeg_read_header(jpeg, TRUE);
+  out->width = jpeg->image_width;
+  out->height = jpeg->image_height;
+  if (static_cast<int64_t>(out->width) * out->height > read->allowedPixels) {
+    out->status = DecodeResult::kTooLarge;
+    jpeg_destroy_decompress(jpeg);
+    return;
+  }
+  if (!chooseOutput(jpeg, read)) {
+    std::snprintf(out->message, sizeof(out->message),
+                  "it has %d components in no color space hddp converts (libjpeg's "
+                  "J_COLOR_SPACE %d)",
+                  jpeg->num_components, static_cast<int>(jpeg->jpeg_color_space));
+    jpeg_destroy_decompress(jpeg);
+    return;
+  }
+  jpeg_start_decompress(jpeg);
+  out->channels = jpeg->output_components;
+  out->bits = 8;
+  const size_t rowBytes = static_cast<size_t>(jpeg->output_width) * jpeg->output_components;
+  // At most allowedPixels (< 2^31) x 4 bytes.
+  out->pixels = static_cast<unsigned char*>(std::malloc(rowBytes * jpeg->output_height));
+  if (out->pixels == nullptr) {
+    std::snprintf(out->message, sizeof(out->message), "out of memory for the pixels");
+    jpeg_destroy_decompress(jpeg);
+    return;
+  }
+  while (jpeg->output_scanline < jpeg->output_height) {
+    JSAMPROW row = out->pixels + jpeg->output_scanline * rowBytes;
+    jpeg_read_scanlines(jpeg, &row, 1);
+  }
+  // Not jpeg_finish_decompress: what follows the last scan changes no pixel.
+  const J_COLOR_SPACE outSpace = jpeg->out_color_space;
+  jpeg_destroy_decompress(jpeg);
+  toRgbOrGray(outSpace, out);
+  out->status = DecodeResult::kDecoded;
+}
+
+}  // namespace
+
+at::Tensor decodeJpeg(const std::string& bytes, size_t soi, const std::string& path,
+                      const DecodeRequest& request) {
+  JpegRead read{};
+  read.data = reinterpret_cast<const unsigned char*>(bytes.data()) + soi;
+  read.size = bytes.size() - soi;
+  read.gray = !request.classIds && request.channels == 1;  // a mask: RGB, which toClassIds checks
+  read.allowedPixels = allowedPixels(kJpeg, bytes.size(), request.limits);
+  readJpeg(&read);
+  return acceptDecoded(read.result, path, kJpeg, bytes.size(), request);
 }
 
 }  // namespace data

@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 
+#include "data/image_decode.h"
 #include "data/image_io.h"
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
@@ -55,7 +56,9 @@ at::Tensor resizeMask(const at::Tensor& mask, int size) {
 }
 
 at::Tensor decodeMask(const std::string& path, bool binary255) {
-  at::Tensor mask = decodeImage(path, 1).squeeze(0).to(at::kLong);
+  DecodeRequest request;
+  request.classIds = true;
+  at::Tensor mask = decodeFile(path, request).squeeze(0).to(at::kLong);
   if (binary255) {
     mask = (mask > 0).to(at::kLong);
   }

@@ -5,14 +5,17 @@
 // destructor lives in it or in the callbacks libpng calls, so the jump skips nothing
 // (C++ makes a longjmp that would skip a non-trivial destructor undefined); everything
 // it reports travels in a PngRead that the caller owns, the pixels in a malloc'd buffer
-// that the caller frees on every path. The C++ side (decodePng) turns the result into
-// the tensor or a DataError.
+// that acceptDecoded (image_decode.cpp) frees on every path and turns into the tensor or
+// a DataError.
 //
 // The samples come out as the file has them, expanded to 8 bits at least (palette to
-// RGB or RGBA, 1, 2 and 4-bit gray to 8 bits) and 16-bit ones kept, de-interlaced;
-// toChannels then converts them as stb_image did. Gamma, sRGB, ICC profiles and the
-// background chunk are ignored, as stb_image ignored them.
+// RGB or RGBA, 1, 2 and 4-bit gray to 8 bits, scaled as stb_image and Pillow scale them)
+// and 16-bit ones kept, de-interlaced; toChannels then converts them as stb_image did.
+// A mask's palette is not expanded: its indices are the class ids (toClassIds). Gamma,
+// sRGB, ICC profiles and the background chunk are ignored, as stb_image ignored them;
+// libpng's warnings (an incorrect sRGB profile is common) are not reported.
 #include <ATen/core/Tensor.h>
+#include <jpeglib.h>  // pngJpegDecoders: the version compiled against
 #include <png.h>
 
 #include <csetjmp>
@@ -35,18 +38,13 @@ struct PngRead {
   size_t size;
   size_t offset;
   int64_t allowedPixels;  // refused beyond, before anything is allocated for the pixels
-  enum Status { kDecoded, kFailed, kTooLarge } status;
-  png_uint_32 width;
-  png_uint_32 height;
-  int channels;
-  int bits;
-  unsigned char* pixels;  // malloc'd; the caller frees it
-  char message[200];
+  bool classIds;          // a mask: palette indices kept
+  DecodeResult result;
 };
 
 void pngFailed(png_structp png, png_const_charp message) {
   auto* read = static_cast<PngRead*>(png_get_error_ptr(png));
-  std::snprintf(read->message, sizeof(read->message), "%s", message);
+  std::snprintf(read->result.message, sizeof(read->result.message), "%s", message);
   png_longjmp(png, 1);
 }
 
@@ -61,18 +59,19 @@ void pngReadBytes(png_structp png, png_bytep out, size_t n) {
   read->offset += n;
 }
 
-// Returns with read->status set; never throws.
+// Returns with read->result.status set; never throws.
 void readPng(PngRead* read) {
-  read->status = PngRead::kFailed;
+  DecodeResult* const out = &read->result;
+  out->status = DecodeResult::kFailed;
   png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, read, pngFailed, pngWarned);
   if (png == nullptr) {
-    std::snprintf(read->message, sizeof(read->message), "libpng could not start (out of memory)");
+    std::snprintf(out->message, sizeof(out->message), "libpng could not start (out of memory)");
     return;
   }
   png_infop info = png_create_info_struct(png);
   if (info == nullptr) {
     png_destroy_read_struct(&png, nullptr, nullptr);
-    std::snprintf(read->message, sizeof(read->message), "libpng could not start (out of memory)");
+    std::snprintf(out->message, sizeof(out->message), "libpng could not start (out of memory)");
     return;
   }
   // png and info are not changed from here on: they keep their values after a longjmp.
@@ -82,15 +81,17 @@ void readPng(PngRead* read) {
   }
   png_set_read_fn(png, read, pngReadBytes);
   png_read_info(png, info);
-  read->width = png_get_image_width(png, info);
-  read->height = png_get_image_height(png, info);
-  if (static_cast<int64_t>(read->width) * read->height > read->allowedPixels) {
-    read->status = PngRead::kTooLarge;
+  out->width = png_get_image_width(png, info);
+  out->height = png_get_image_height(png, info);
+  if (static_cast<int64_t>(out->width) * out->height > read->allowedPixels) {
+    out->status = DecodeResult::kTooLarge;
     png_destroy_read_struct(&png, &info, nullptr);
     return;
   }
   const int colorType = png_get_color_type(png, info);
-  if (colorType == PNG_COLOR_TYPE_PALETTE) {
+  if (colorType == PNG_COLOR_TYPE_PALETTE && read->classIds) {
+    png_set_packing(png);  // indices of 1, 2 and 4 bits to a byte each, not scaled
+  } else if (colorType == PNG_COLOR_TYPE_PALETTE) {
     png_set_palette_to_rgb(png);  // and tRNS to alpha, which toChannels drops
   }
   if (colorType == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(png, info) < 8) {
@@ -98,57 +99,52 @@ void readPng(PngRead* read) {
   }
   const int passes = png_set_interlace_handling(png);
   png_read_update_info(png, info);
-  read->channels = png_get_channels(png, info);
-  read->bits = png_get_bit_depth(png, info);
+  out->channels = png_get_channels(png, info);
+  out->bits = png_get_bit_depth(png, info);
   const size_t rowBytes = png_get_rowbytes(png, info);
-  if (read->channels < 1 || read->channels > 4 || (read->bits != 8 && read->bits != 16) ||
-      rowBytes != static_cast<size_t>(read->width) * read->channels * (read->bits / 8)) {
+  if (out->channels < 1 || out->channels > 4 || (out->bits != 8 && out->bits != 16) ||
+      rowBytes != static_cast<size_t>(out->width) * out->channels * (out->bits / 8)) {
     png_error(png, "unexpected layout after libpng's transformations");
   }
   // At most allowedPixels (< 2^31) x 8 bytes.
-  read->pixels = static_cast<unsigned char*>(std::malloc(rowBytes * read->height));
-  if (read->pixels == nullptr) {
+  out->pixels = static_cast<unsigned char*>(std::malloc(rowBytes * out->height));
+  if (out->pixels == nullptr) {
     png_error(png, "out of memory for the pixels");
   }
   for (int pass = 0; pass < passes; ++pass) {
-    for (png_uint_32 y = 0; y < read->height; ++y) {
-      png_read_row(png, read->pixels + y * rowBytes, nullptr);
+    for (png_uint_32 y = 0; y < out->height; ++y) {
+      png_read_row(png, out->pixels + y * rowBytes, nullptr);
     }
   }
   // The chunks after the image data (png_read_end) are not read: nothing there changes
   // the pixels, and stb_image did not read them either.
   png_destroy_read_struct(&png, &info, nullptr);
-  read->status = PngRead::kDecoded;
+  out->status = DecodeResult::kDecoded;
 }
 
 }  // namespace
 
-at::Tensor decodePng(const std::string& bytes, const std::string& path, int channels,
-                     const ImageLimits& limits) {
+at::Tensor decodePng(const std::string& bytes, const std::string& path,
+                     const DecodeRequest& request) {
   PngRead read{};
   read.data = reinterpret_cast<const unsigned char*>(bytes.data());
   read.size = bytes.size();
-  read.allowedPixels = allowedPixels(kPng, bytes.size(), limits);
+  read.allowedPixels = allowedPixels(kPng, bytes.size(), request.limits);
+  read.classIds = request.classIds;
   readPng(&read);
-  struct FreePixels {
-    unsigned char* p;
-    ~FreePixels() { std::free(p); }
-  } owner{read.pixels};
-  if (read.status == PngRead::kTooLarge) {
-    checkImagePixels(path, kPng, read.width, read.height, bytes.size(), limits);
-  }
-  HDDP_CHECK_AS(DataError, read.status == PngRead::kDecoded, "cannot decode image ", path,
-                " (PNG): ", read.message);
-  Samples samples;
-  samples.data = read.pixels;
-  samples.width = read.width;
-  samples.height = read.height;
-  samples.channels = read.channels;
-  samples.bits = read.bits;
-  return toChannels(samples, channels);
+  return acceptDecoded(read.result, path, kPng, bytes.size(), request);
 }
 
-std::string pngJpegDecoders() { return "libpng and libjpeg-turbo"; }
+std::string pngJpegDecoders() {
+  std::string jpeg = "libjpeg";
+#ifdef LIBJPEG_TURBO_VERSION_NUMBER
+  constexpr int kTurbo = LIBJPEG_TURBO_VERSION_NUMBER;  // 2001005 for 2.1.5
+  jpeg = "libjpeg-turbo " + std::to_string(kTurbo / 1000000) + "." +
+         std::to_string(kTurbo / 1000 % 1000) + "." + std::to_string(kTurbo % 1000);
+#endif
+  return "libpng " PNG_LIBPNG_VER_STRING ", " + jpeg + " (libjpeg API " +
+         std::to_string(JPEG_LIB_VERSION) + ")";
+}
 
 }  // namespace data
 }  // namespace hddp

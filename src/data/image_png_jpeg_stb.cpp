@@ -6,31 +6,18 @@
 // development.md, "Fuzzing"): this file is not fuzzed and not meant for files from
 // outside. What hddp checked before decoding while stb_image read every format stays:
 // the size a header claims, and the JPEG Huffman tables stb_image 2.27 writes past.
+//
+// stb_image itself is in image_stb.cpp (decodeWithStb), compiled here with
+// HDDP_STB_PNG_JPEG. It expands a palette to RGB and gives no way to keep a palette
+// PNG's indices: in this build a palette mask must have a gray palette, or it is refused
+// (toClassIds); a 16-bit gray mask keeps its values.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "data/image_decode.h"
 #include "hddp/core/error.h"
-
-#define STB_IMAGE_IMPLEMENTATION
-#define STB_IMAGE_STATIC
-#define STBI_FAILURE_USERMSG
-#define STBI_NO_STDIO
-#define STBI_NO_LINEAR
-#define STBI_ONLY_PNG
-#define STBI_ONLY_JPEG
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
-#pragma GCC diagnostic ignored "-Wunused-function"
-#endif
-#include <stb/stb_image.h>
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
 
 namespace hddp {
 namespace data {
@@ -74,47 +61,17 @@ void checkJpegHuffmanTables(const std::string& b, size_t soi, const std::string&
   }
 }
 
-at::Tensor decodeWithStbFallback(const std::string& bytes, const std::string& path,
-                                 const ImageFormat& format, int channels,
-                                 const ImageLimits& limits) {
-  const auto* data = reinterpret_cast<const stbi_uc*>(bytes.data());
-  const int size = static_cast<int>(bytes.size());
-  int w = 0;
-  int h = 0;
-  int n = 0;
-  HDDP_CHECK_AS(DataError, stbi_info_from_memory(data, size, &w, &h, &n) == 1,
-                "cannot decode image ", path, ": ", stbi_failure_reason());
-  checkImagePixels(path, format, std::abs(int64_t{w}), std::abs(int64_t{h}), bytes.size(), limits);
-  stbi_uc* pixels = stbi_load_from_memory(data, size, &w, &h, &n, channels);
-  HDDP_CHECK_AS(DataError, pixels != nullptr, "cannot decode image ", path, ": ",
-                stbi_failure_reason());
-  Samples samples;
-  samples.data = pixels;
-  samples.width = w;
-  samples.height = h;
-  samples.channels = channels;
-  at::Tensor image;
-  try {
-    image = toChannels(samples, channels);
-  } catch (...) {
-    stbi_image_free(pixels);
-    throw;
-  }
-  stbi_image_free(pixels);
-  return image;
-}
-
 }  // namespace
 
-at::Tensor decodePng(const std::string& bytes, const std::string& path, int channels,
-                     const ImageLimits& limits) {
-  return decodeWithStbFallback(bytes, path, kPng, channels, limits);
+at::Tensor decodePng(const std::string& bytes, const std::string& path,
+                     const DecodeRequest& request) {
+  return decodeWithStb(bytes, path, kPng, request);
 }
 
-at::Tensor decodeJpeg(const std::string& bytes, size_t soi, const std::string& path, int channels,
-                      const ImageLimits& limits) {
+at::Tensor decodeJpeg(const std::string& bytes, size_t soi, const std::string& path,
+                      const DecodeRequest& request) {
   checkJpegHuffmanTables(bytes, soi, path);
-  return decodeWithStbFallback(bytes, path, kJpeg, channels, limits);
+  return decodeWithStb(bytes, path, kJpeg, request);
 }
 
 std::string pngJpegDecoders() { return "stb_image (fallback)"; }

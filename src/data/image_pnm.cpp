@@ -2,16 +2,22 @@
 //
 // The header is "P5" or "P6", then width, height and maxval as decimal numbers, separated
 // by whitespace and '#' comments (to the end of the line), then one whitespace byte and
-// the samples: a byte each for maxval < 256, two (big-endian) otherwise. Samples are
-// taken as they are, not scaled by maxval (stb_image, which hddp used before, did not
-// scale either: a mask saved with maxval 20 keeps its class indices 0..20); 16-bit
-// samples keep their high byte, as 16-bit PNGs do. Numbers are checked for overflow and
-// the samples against the bytes present before anything is allocated. ASCII PGM/PPM
-// (P2, P3), PBM (P1, P4) and PAM (P7) are refused with a message.
+// the samples: a byte each for maxval < 256, two (big-endian) otherwise.
+//
+// Samples of one byte are taken as they are, not scaled by maxval (stb_image, which hddp
+// used before, did not scale either; a mask saved with maxval 20 keeps its class ids
+// 0..20). Samples of two bytes (maxval 256..65535) are scaled to 8 bits in an image,
+// (v * 255 + maxval / 2) / maxval, so that maxval 1000's 1000 is 255 (and 65535's 65281 is
+// 254, where keeping the high byte made it 255); in a mask they are class ids as they
+// are, refused above 255 (toClassIds). Numbers are checked for overflow and the samples
+// against the bytes present before anything is allocated. ASCII PGM/PPM (P2, P3), PBM
+// (P1, P4) and PAM (P7) are refused with a message.
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "data/image_decode.h"
 #include "hddp/core/error.h"
@@ -82,10 +88,20 @@ class PnmHeader {
   size_t pos_ = 0;
 };
 
+// 16-bit big-endian samples of at most `maxval` (above it: 255) to 8 bits, rounded.
+std::vector<uint8_t> scaleTo8Bits(const uint8_t* samples, int64_t count, int64_t maxval) {
+  std::vector<uint8_t> out(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t v = (samples[2 * i] << 8) | samples[2 * i + 1];
+    out[i] = static_cast<uint8_t>(std::min<int64_t>(255, (v * 255 + maxval / 2) / maxval));
+  }
+  return out;
+}
+
 }  // namespace
 
-at::Tensor decodePnm(const std::string& bytes, const std::string& path, int channels,
-                     const ImageLimits& limits) {
+at::Tensor decodePnm(const std::string& bytes, const std::string& path,
+                     const DecodeRequest& request) {
   const char kind = bytes.size() >= 2 ? bytes[1] : '?';
   HDDP_CHECK_AS(DataError, kind == '5' || kind == '6', "cannot decode image ", path,
                 ": it is a Netpbm file of type P", kind,
@@ -103,7 +119,7 @@ at::Tensor decodePnm(const std::string& bytes, const std::string& path, int chan
   HDDP_CHECK_AS(DataError, width > 0 && height > 0 && maxval > 0, "cannot decode image ", path,
                 ": its PGM/PPM header says ", width, "x", height, " pixels with maxval ", maxval,
                 "; each must be at least 1");
-  checkImagePixels(path, kPnm, width, height, bytes.size(), limits);
+  checkImagePixels(path, kPnm, width, height, bytes.size(), request.limits);
   const int n = kind == '6' ? 3 : 1;
   const int bits = maxval > 255 ? 16 : 8;
   // width x height <= the file's size (kPnm): no overflow.
@@ -118,7 +134,13 @@ at::Tensor decodePnm(const std::string& bytes, const std::string& path, int chan
   samples.height = height;
   samples.channels = n;
   samples.bits = bits;
-  return toChannels(samples, channels);
+  if (bits == 16 && !request.classIds) {
+    const std::vector<uint8_t> scaled = scaleTo8Bits(samples.data, width * height * n, maxval);
+    samples.data = scaled.data();
+    samples.bits = 8;
+    return toChannels(samples, request.channels);
+  }
+  return toRequested(samples, request, path);
 }
 
 }  // namespace data

@@ -22,6 +22,7 @@
 
 #include "hddp/core/error.h"
 #include "hddp/data/datasets.h"
+#include "support/image_files.h"
 #include "support/ranks.h"
 
 #define STB_IMAGE_IMPLEMENTATION
@@ -41,20 +42,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string source(const std::string& relative) {
-  return std::string(HDDP_TEST_SOURCE_DIR) + "/" + relative;
-}
-
-std::string contents(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream out;
-  out << in.rdbuf();
-  return out.str();
-}
-
-void write(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+using hddp::testing::dataErrorOf;
+using hddp::testing::fileContents;
+using hddp::testing::sourcePath;
+using hddp::testing::writeFile;
 
 // stb_image's decoding of `path` as [channels, H, W] uint8.
 at::Tensor stbDecode(const std::string& path, int channels) {
@@ -69,16 +60,6 @@ at::Tensor stbDecode(const std::string& path, int channels) {
   at::Tensor hwc = at::from_blob(pixels, {h, w, channels}, at::kByte).clone();
   stbi_image_free(pixels);
   return hwc.permute({2, 0, 1}).contiguous();
-}
-
-template <typename Fn>
-std::string errorOf(Fn&& fn) {
-  try {
-    fn();
-  } catch (const hddp::DataError& e) {
-    return e.what_without_backtrace();
-  }
-  return "(no DataError)";
 }
 
 int64_t maxDifference(const at::Tensor& a, const at::Tensor& b) {
@@ -187,10 +168,11 @@ TEST(ImageDecode, PngOfEveryColorTypeAndBitDepthEqualsStbImage) {
 }
 
 // Binary PGM/PPM: equal to stb_image for 8-bit samples, not scaled by maxval (a mask
-// saved with maxval 20 keeps 0..20); 16-bit samples keep their high byte, converted in
-// 16 bits first (stb_image 2.27 kept the low byte: it read big-endian samples as
-// little-endian, and converted channels as if they had 8 bits: finding 12).
-TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesKeepTheirHighByte) {
+// saved with maxval 20 keeps 0..20); 16-bit samples scaled to 8 bits, rounded, before
+// channels are converted (stb_image 2.27 kept the low byte: it read big-endian samples
+// as little-endian, and converted channels as if they had 8 bits: finding 12; hddp then
+// kept the high byte). More maxvals in image_mask_test.cpp.
+TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesAreScaledToEightBits) {
   const std::string dir = hddp::testing::makeTempDir();
   std::mt19937 rng(7);
   const auto samples = [&rng](size_t n, int maxval) {
@@ -207,7 +189,7 @@ TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesKeepTheirHighByte) {
       {"trailing.ppm", "P6 1 1 255 " + samples(3, 255) + "more bytes after the image"},
   };
   for (const auto& [name, bytes] : files) {
-    write(dir + "/" + name, bytes);
+    writeFile(dir + "/" + name, bytes);
     for (const int channels : {1, 3}) {
       EXPECT_TRUE(hddp::decodeImage(dir + "/" + name, channels)
                       .equal(stbDecode(dir + "/" + name, channels)))
@@ -217,18 +199,22 @@ TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesKeepTheirHighByte) {
   EXPECT_EQ(hddp::decodeImage(dir + "/mask.pgm", 1).max().item<int64_t>(), 20);
 
   // 16 bits: gray 0x1234 and 0xff01; RGB (0x8000, 0x4000, 0x0100) and (0xffff, 0, 0x00ff).
-  write(dir + "/16.pgm", std::string("P5 2 1 65535\n\x12\x34\xff\x01", 17));
-  write(dir + "/16.ppm",
-        std::string("P6 2 1 65535\n\x80\x00\x40\x00\x01\x00\xff\xff\x00\x00\x00\xff", 25));
+  writeFile(dir + "/16.pgm", std::string("P5 2 1 65535\n\x12\x34\xff\x01", 17));
+  writeFile(dir + "/16.ppm",
+            std::string("P6 2 1 65535\n\x80\x00\x40\x00\x01\x00\xff\xff\x00\x00\x00\xff", 25));
+  const auto to8 = [](int v) { return (v * 255 + 32767) / 65535; };  // 0xff01: 254, not 255
   EXPECT_TRUE(hddp::decodeImage(dir + "/16.pgm", 1)
-                  .equal(torch::tensor({0x12, 0xff}, at::kByte).view({1, 1, 2})));
+                  .equal(torch::tensor({to8(0x1234), to8(0xff01)}, at::kByte).view({1, 1, 2})));
   EXPECT_TRUE(hddp::decodeImage(dir + "/16.pgm", 3)
-                  .equal(torch::tensor({0x12, 0xff}, at::kByte).view({1, 1, 2}).expand({3, 1, 2})));
-  EXPECT_TRUE(
-      hddp::decodeImage(dir + "/16.ppm", 3)
-          .equal(torch::tensor({0x80, 0xff, 0x40, 0x00, 0x01, 0x00}, at::kByte).view({3, 1, 2})));
-  const int y0 = ((0x8000 * 77 + 0x4000 * 150 + 0x0100 * 29) >> 8) >> 8;
-  const int y1 = ((0xffff * 77 + 0 * 150 + 0x00ff * 29) >> 8) >> 8;
+                  .equal(torch::tensor({to8(0x1234), to8(0xff01)}, at::kByte)
+                             .view({1, 1, 2})
+                             .expand({3, 1, 2})));
+  EXPECT_TRUE(hddp::decodeImage(dir + "/16.ppm", 3)
+                  .equal(torch::tensor({to8(0x8000), 255, to8(0x4000), 0, to8(0x0100), to8(0x00ff)},
+                                       at::kByte)
+                             .view({3, 1, 2})));
+  const int y0 = (to8(0x8000) * 77 + to8(0x4000) * 150 + to8(0x0100) * 29) >> 8;
+  const int y1 = (255 * 77 + 0 * 150 + to8(0x00ff) * 29) >> 8;
   EXPECT_TRUE(hddp::decodeImage(dir + "/16.ppm", 1)
                   .equal(torch::tensor({y0, y1}, at::kByte).view({1, 1, 2})));
 }
@@ -248,7 +234,7 @@ TEST(ImageDecode, BmpTgaGifAndPillowsImagesEqualStbImage) {
   ASSERT_TRUE(stbi_write_tga((dir + "/plain.tga").c_str(), 13, 7, 3, rgb.data()));
   stbi_write_tga_with_rle = 1;
   std::vector<std::string> paths = {dir + "/a.bmp", dir + "/rle.tga", dir + "/plain.tga"};
-  for (const auto& entry : fs::directory_iterator(source("../fuzz/corpus/fuzz_image"))) {
+  for (const auto& entry : fs::directory_iterator(sourcePath("../fuzz/corpus/fuzz_image"))) {
     paths.push_back(entry.path().string());
   }
   ASSERT_GE(paths.size(), 18u);
@@ -274,11 +260,11 @@ TEST(ImageDecode, BmpTgaGifAndPillowsImagesEqualStbImage) {
 // and more levels off there, where libjpeg-turbo stays near the source.
 TEST(ImageDecode, JpegEqualsPillowAndStaysWithinThreeLevelsOfStbImage) {
   for (const char* stem : {"rgb-444", "rgb-422", "rgb-420", "progressive", "gray", "odd-422"}) {
-    const std::string base = source("data/images/") + stem;
+    const std::string base = sourcePath("data/images/") + stem;
     const at::Tensor rgb = hddp::decodeImage(base + ".jpg", 3);
     const at::Tensor y = hddp::decodeImage(base + ".jpg", 1);
-    const std::string rgbBytes = contents(base + ".rgb");
-    const std::string yBytes = contents(base + ".y");
+    const std::string rgbBytes = fileContents(base + ".rgb");
+    const std::string yBytes = fileContents(base + ".y");
     const int64_t h = rgb.size(1);
     const int64_t w = rgb.size(2);
     ASSERT_EQ(static_cast<int64_t>(rgbBytes.size()), h * w * 3) << stem;
@@ -306,7 +292,7 @@ TEST(ImageDecode, JpegEqualsPillowAndStaysWithinThreeLevelsOfStbImage) {
 // A CMYK JPEG (Adobe, inverted, as Photoshop and Pillow write it): RGB as stb_image
 // makes it (C, M, Y times K), within a level.
 TEST(ImageDecode, CmykJpegBecomesRgbAsStbImageMakesIt) {
-  const std::string path = source("data/images/cmyk.jpg");
+  const std::string path = sourcePath("data/images/cmyk.jpg");
   for (const int channels : {1, 3}) {
     EXPECT_LE(maxDifference(hddp::decodeImage(path, channels), stbDecode(path, channels)), 1)
         << channels;
@@ -333,11 +319,11 @@ void fixPngCrc(std::string& png, size_t chunkStart) {
 TEST(ImageDecode, PngWithAnEmptyFirstIdatDecodes) {
   const std::string dir = hddp::testing::makeTempDir();
   writePng(dir + "/a.png", {"rgba8", PNG_COLOR_TYPE_RGB_ALPHA, 8}, 13, 7, 11);
-  std::string png = contents(dir + "/a.png");
+  std::string png = fileContents(dir + "/a.png");
   const size_t idat = png.find("IDAT") - 4;
   png.insert(idat, std::string("\0\0\0\0IDAT\0\0\0\0", 12));
   fixPngCrc(png, idat);
-  write(dir + "/empty-idat.png", png);
+  writeFile(dir + "/empty-idat.png", png);
   for (const int channels : {1, 3}) {
     EXPECT_TRUE(hddp::decodeImage(dir + "/empty-idat.png", channels)
                     .equal(hddp::decodeImage(dir + "/a.png", channels)));
@@ -348,41 +334,41 @@ TEST(ImageDecode, PngWithAnEmptyFirstIdatDecodes) {
 // against ImageLimits, and against what the file's bytes can describe in its format.
 TEST(ImageDecode, EachDecoderChecksTheClaimedSizeBeforeAllocating) {
   const std::string dir = hddp::testing::makeTempDir();
-  const std::string jpeg = source("data/images/rgb-420.jpg");  // 26 x 17 = 442 pixels
+  const std::string jpeg = sourcePath("data/images/rgb-420.jpg");  // 26 x 17 = 442 pixels
   EXPECT_EQ(hddp::decodeImage(jpeg, 3, hddp::ImageLimits{442}).size(2), 26);
-  EXPECT_NE(errorOf([&] {
+  EXPECT_NE(dataErrorOf([&] {
               hddp::decodeImage(jpeg, 3, hddp::ImageLimits{441});
             }).find("26x17 (442 pixels), more than the limit of 441"),
             std::string::npos);
-  write(dir + "/a.pgm", "P5 26 17 255\n" + std::string(442, '\x7f'));
+  writeFile(dir + "/a.pgm", "P5 26 17 255\n" + std::string(442, '\x7f'));
   EXPECT_EQ(hddp::decodeImage(dir + "/a.pgm", 1, hddp::ImageLimits{442}).size(1), 17);
-  EXPECT_NE(errorOf([&] {
+  EXPECT_NE(dataErrorOf([&] {
               hddp::decodeImage(dir + "/a.pgm", 1, hddp::ImageLimits{441});
             }).find("more than the limit of 441"),
             std::string::npos);
 
   // The JPEG's frame header (SOF) says 60000 x 60000.
-  std::string big = contents(jpeg);
+  std::string big = fileContents(jpeg);
   const size_t sof = big.find("\xff\xc0");
   ASSERT_NE(sof, std::string::npos);
   big.replace(sof + 5, 4, "\xea\x60\xea\x60");
-  write(dir + "/big.jpg", big);
-  EXPECT_NE(errorOf([&] { hddp::decodeImage(dir + "/big.jpg", 3); })
+  writeFile(dir + "/big.jpg", big);
+  EXPECT_NE(dataErrorOf([&] { hddp::decodeImage(dir + "/big.jpg", 3); })
                 .find("60000x60000 pixels, more than its " + std::to_string(big.size()) +
                       " bytes can describe as JPEG"),
             std::string::npos);
   // The PNG's IHDR says 65536 x 65536, with its CRC right.
   writePng(dir + "/small.png", {"rgb8", PNG_COLOR_TYPE_RGB, 8}, 13, 7, 5);
-  std::string png = contents(dir + "/small.png");
+  std::string png = fileContents(dir + "/small.png");
   png.replace(16, 8, std::string("\x00\x01\x00\x00\x00\x01\x00\x00", 8));
   fixPngCrc(png, 8);
-  write(dir + "/big.png", png);
-  EXPECT_NE(errorOf([&] { hddp::decodeImage(dir + "/big.png", 3); })
+  writeFile(dir + "/big.png", png);
+  EXPECT_NE(dataErrorOf([&] { hddp::decodeImage(dir + "/big.png", 3); })
                 .find("65536x65536 pixels, more than its " + std::to_string(png.size()) +
                       " bytes can describe as PNG"),
             std::string::npos);
-  write(dir + "/big.pgm", "P5 1000 1000 255\n" + std::string(100, '\0'));
-  EXPECT_NE(errorOf([&] {
+  writeFile(dir + "/big.pgm", "P5 1000 1000 255\n" + std::string(100, '\0'));
+  EXPECT_NE(dataErrorOf([&] {
               hddp::decodeImage(dir + "/big.pgm", 3);
             }).find("1000x1000 pixels, more than its 117 bytes can describe as PGM/PPM"),
             std::string::npos);
@@ -393,10 +379,10 @@ TEST(ImageDecode, EachDecoderChecksTheClaimedSizeBeforeAllocating) {
 TEST(ImageDecode, DamagedFilesAreRefusedWithWhatIsWrong) {
   const std::string dir = hddp::testing::makeTempDir();
   writePng(dir + "/good.png", {"rgb8", PNG_COLOR_TYPE_RGB, 8}, 13, 7, 9);
-  const std::string png = contents(dir + "/good.png");
+  const std::string png = fileContents(dir + "/good.png");
   std::string badCrc = png;
   badCrc[20] ^= 1;  // inside IHDR's data
-  const std::string jpeg = contents(source("data/images/rgb-444.jpg"));
+  const std::string jpeg = fileContents(sourcePath("data/images/rgb-444.jpg"));
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"truncated.png", png.substr(0, png.size() / 2)},
       {"crc.png", badCrc},
@@ -423,9 +409,9 @@ TEST(ImageDecode, DamagedFilesAreRefusedWithWhatIsWrong) {
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const std::string path = dir + "/" + cases[i].first;
-    write(path, cases[i].second);
+    writeFile(path, cases[i].second);
     for (const int channels : {1, 3}) {
-      const std::string error = errorOf([&] { hddp::decodeImage(path, channels); });
+      const std::string error = dataErrorOf([&] { hddp::decodeImage(path, channels); });
       EXPECT_NE(error.find(path), std::string::npos) << error;
       EXPECT_NE(error.find(expected[i]), std::string::npos) << error;
     }

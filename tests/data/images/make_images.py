@@ -6,7 +6,7 @@ Pillow (the torch virtual environment of scripts/setup.sh has it), from anywhere
 
     /opt/hddp-venv/bin/python tests/data/images/make_images.py
 
-Each NAME.jpg but cmyk.jpg gets NAME.rgb (height x width x 3 bytes, Pillow's RGB decoding) and
+Each NAME.jpg but cmyk.jpg and truncated.jpg gets NAME.rgb (height x width x 3 bytes, Pillow's RGB decoding) and
 NAME.y (height x width bytes: libjpeg's grayscale output, the Y plane, through
 Image.draft("L")). 26 x 17 pixels: an even width, a height that is no multiple of 8 or
 16; odd-422.jpg is 25 pixels wide (stb_image, hddp's decoder before, interpolated its
@@ -49,6 +49,9 @@ def main():
         (HERE / (stem + ".y")).write_bytes(gray.tobytes())
     # CMYK (Adobe, inverted), compared with stb_image only: Pillow inverts it back.
     rgb.convert("CMYK").save(HERE / "cmyk.jpg", quality=90)
+    # Cut off inside its scan (tests/data/image_mask_test.cpp): Pillow raises "image file
+    # is truncated", hddp a DataError.
+    (HERE / "truncated.jpg").write_bytes((HERE / "rgb-444.jpg").read_bytes()[:900])
 
 
 if __name__ == "__main__":

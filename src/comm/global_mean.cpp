@@ -2,10 +2,12 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <limits>
 #include <vector>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 
 namespace hddp {
@@ -38,15 +40,9 @@ double globalMeanLoss(Communicator& comm, double localMeanLoss, int64_t localBat
   const double samples = static_cast<double>(localBatch);
   // A rank without samples adds 0, whatever its loss (NaN x 0 would be NaN).
   const double weighted = localBatch > 0 ? localMeanLoss * samples : 0.0;
-  at::Tensor sums = at::tensor(std::vector<double>{weighted, samples}, at::kDouble);
-  if (comm.device() != sums.device()) {
-    sums = sums.to(comm.device());
-  }
-  comm.allreduce(sums).wait();
-  comm.synchronize();
-  sums = sums.cpu();
-  const double total = sums[1].item<double>();
-  return total > 0 ? sums[0].item<double>() / total : std::numeric_limits<double>::quiet_NaN();
+  const auto sums = reduceValues(comm, std::array<double, 2>{weighted, samples});
+  const double total = sums[1];
+  return total > 0 ? sums[0] / total : std::numeric_limits<double>::quiet_NaN();
 }
 
 }  // namespace hddp

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -11,6 +12,7 @@
 #include "example_common.h"
 #include "hddp/balance/batch_plan.h"
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 
@@ -107,9 +109,9 @@ std::vector<double> evaluateSharded(
                sums.sizes(), ", expected [", sumCount, "]");
     total += sums.to(at::kDouble);
   }
-  comm.allreduce(total).wait();
-  total = total.cpu();
-  return std::vector<double>(total.data_ptr<double>(), total.data_ptr<double>() + sumCount);
+  total = total.cpu().contiguous();
+  return reduceValues(
+      comm, std::vector<double>(total.data_ptr<double>(), total.data_ptr<double>() + sumCount));
 }
 
 bool evaluateThisEpoch(const CommonFlags& flags, int64_t epoch) {

@@ -4,9 +4,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "train/trainer_impl.h"
@@ -29,18 +31,16 @@ void Trainer::Impl::updateTimeBudget() {
   // A clock that went back (TrainerOptions::budgetClock) is reported with the numbers,
   // so that every rank fails together instead of one leaving the others in a collective.
   const double wentBack = now < start || !std::isfinite(now) ? 1.0 : 0.0;
-  at::Tensor t = at::tensor({elapsed, elapsed - budget_.evaluationSeconds, wentBack}, at::kDouble)
-                     .to(comm_.device());
-  comm_.allreduce(t, {ReduceOp::Max}).wait();
-  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-  t = t.cpu();
-  HDDP_CHECK_AS(ConfigError, t[2].item<double>() == 0,
+  const auto t = reduceValues(
+      comm_, std::array<double, 3>{elapsed, elapsed - budget_.evaluationSeconds, wentBack},
+      ReduceOp::Max);
+  HDDP_CHECK_AS(ConfigError, t[2] == 0,
                 "the time budget's clock went back or is not finite on a rank (here: ", start,
                 " s at the start, ", now,
                 " s now): TrainerOptions::budgetClock must return seconds that never decrease");
-  const double elapsedMax = t[0].item<double>();
+  const double elapsedMax = t[0];
   const double perStep =
-      t[1].item<double>() / static_cast<double>(std::max<int64_t>(1, step_ - budget_.startStep));
+      t[1] / static_cast<double>(std::max<int64_t>(1, step_ - budget_.startStep));
   const double left = options_.timeBudgetSeconds - elapsedMax;
   const int64_t more = perStep > 0 && left > 0 ? static_cast<int64_t>(left / perStep) : 0;
   const bool first = budget_.endStep == 0;

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "hddp/comm/exchange.h"
 #include "hddp/core/env.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
@@ -242,21 +244,18 @@ void ElasticRun::committed(Communicator& comm, int64_t step, const std::string& 
   const double stepSeconds = std::chrono::duration<double>(saveStart - lastCommitTime_).count() /
                              static_cast<double>(std::max<int64_t>(1, step - lastCommitStep_));
   const bool reform = reformRequested() || reformFileExists(dir());
-  at::Tensor t =
-      at::tensor({reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, at::kDouble).to(comm.device());
-  comm.allreduce(t, {ReduceOp::Max}).wait();
-  comm.synchronize();  // the host reads it next (Communicator::synchronize)
-  t = t.cpu();
-  const int64_t every = commitInterval(t[1].item<double>(), t[2].item<double>());
+  const auto slowest = reduceValues(
+      comm, std::array<double, 3>{reform ? 1.0 : 0.0, commitSeconds, stepSeconds}, ReduceOp::Max);
+  const int64_t every = commitInterval(slowest[1], slowest[2]);
   if (every != commitEvery_) {
-    HDDP_LOG_DEBUG("train", "commits every ", every, " steps (a commit takes ",
-                   t[1].item<double>() * 1e3, " ms, a step ", t[2].item<double>() * 1e3, " ms)");
+    HDDP_LOG_DEBUG("train", "commits every ", every, " steps (a commit takes ", slowest[1] * 1e3,
+                   " ms, a step ", slowest[2] * 1e3, " ms)");
   }
   commitEvery_ = every;
   nextCommit_ = step + commitEvery_;
   lastCommitTime_ = Clock::now();
   lastCommitStep_ = step;
-  if (t[0].item<double>() > 0) {
+  if (slowest[0] > 0) {
     HDDP_LOG_SHARED("train", comm.rank(), "elastic: committed step ", step, " to ", file,
                     "; leaving for the group to re-form (exit code ", kReformExitCode, ")");
     std::fflush(nullptr);         // log lines and metrics are written through at once

@@ -4,8 +4,10 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 
 #include "hddp/amp/amp_mode.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/version.h"
 #include "train/trainer_impl.h"
 
@@ -67,15 +69,11 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
 void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
                              TrainSummary& summary) {
   // The epoch's mean training loss over every rank's samples.
-  at::Tensor sums =
-      at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
-          .to(comm_.device());
-  comm_.allreduce(sums).wait();
-  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-  sums = sums.cpu();
+  const auto sums = reduceValues(
+      comm_, std::array<double, 2>{thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)});
   train::EpochReport r;
-  r.samples = sums[1].item<double>();
-  run_.lastTrainLoss = r.samples > 0 ? sums[0].item<double>() / r.samples : 0.0;
+  r.samples = sums[1];
+  run_.lastTrainLoss = r.samples > 0 ? sums[0] / r.samples : 0.0;
   r.seconds = seconds(epochStart, Clock::now());
   r.evaluation = evaluate();
   ++summary.epochsCompleted;

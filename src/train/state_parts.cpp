@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "train/trainer_state.h"
 
 namespace hddp {
@@ -15,15 +16,11 @@ namespace train {
 std::vector<std::vector<uint8_t>> partsToWriters(Communicator& comm,
                                                  const std::vector<uint8_t>& mine, bool writer) {
   constexpr int64_t kChunk = int64_t{16} << 20;
-  std::vector<uint8_t> size(sizeof(int64_t));
-  const auto mySize = static_cast<int64_t>(mine.size());
-  std::memcpy(size.data(), &mySize, sizeof(int64_t));
-  const auto sizes = comm.allgatherBytes(size);
+  const auto sizes = allgatherValue<int64_t>(comm, static_cast<int64_t>(mine.size()));
   const c10::Device device = comm.device();
   std::vector<std::vector<uint8_t>> out(sizes.size());
   for (size_t r = 0; r < sizes.size(); ++r) {
-    int64_t total = 0;
-    std::memcpy(&total, sizes[r].data(), sizeof(int64_t));
+    const int64_t total = sizes[r];
     const bool own = static_cast<int>(r) == comm.rank();
     if (writer) {
       out[r].resize(static_cast<size_t>(total));

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -375,13 +376,11 @@ TrainSummary Trainer::Impl::fit() {
     // torchrun's agent).
     const double now =
         std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-    at::Tensor t = at::tensor({static_cast<double>(reached), std::floor(now * 1e3)}, at::kDouble)
-                       .to(comm_.device());
-    comm_.allreduce(t, {ReduceOp::Max}).wait();
-    comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-    t = t.cpu();
-    reached = static_cast<int64_t>(t[0].item<double>());
-    agreedStart = static_cast<int64_t>(t[1].item<double>());
+    const auto newest = reduceValues(
+        comm_, std::array<double, 2>{static_cast<double>(reached), std::floor(now * 1e3)},
+        ReduceOp::Max);
+    reached = static_cast<int64_t>(newest[0]);
+    agreedStart = static_cast<int64_t>(newest[1]);
   }
   resumeForFit();
   // The files each rank opens now (the sample log, the progress marks, the metrics file;

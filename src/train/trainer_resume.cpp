@@ -3,6 +3,7 @@
 // the save folder; and the agreement on the folders that decides it.
 #include <torch/torch.h>
 
+#include <array>
 #include <string>
 
 #include "hddp/comm/exchange.h"
@@ -16,11 +17,8 @@ namespace hddp {
 void Trainer::Impl::resumeForFit() {
   // The launcher's restart count, agreed: under torchrun's agent a node that joins counts
   // its own failures (none), the others theirs.
-  at::Tensor agreed =
-      at::full({1}, static_cast<double>(elastic_.restarts()), at::kDouble).to(comm_.device());
-  comm_.allreduce(agreed, {ReduceOp::Max}).wait();
-  comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-  const int restarts = static_cast<int>(agreed.cpu().item<double>());
+  const int restarts = static_cast<int>(reduceValues(
+      comm_, std::array<double, 1>{static_cast<double>(elastic_.restarts())}, ReduceOp::Max)[0]);
   // Under torchrun's agent a generation that follows a membership change has no restart
   // to count: the job's own commits (its id in the file) say where it stands.
   const bool agentJob = elastic_.underAgent() && !elastic_.runId().empty();

@@ -4,11 +4,13 @@
 // The file format itself is in trainer_state.h.
 #include <torch/torch.h>
 
+#include <array>
 #include <chrono>
 #include <new>
 #include <string>
 #include <vector>
 
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "train/trainer_impl.h"
@@ -41,14 +43,10 @@ std::string Trainer::Impl::save() {
   meta.globalBatch = options_.globalBatch;
   if (thisEpoch_.midEpoch) {
     // The epoch's loss so far over every rank's samples (each rank holds its own).
-    at::Tensor sums =
-        at::tensor({thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)}, at::kDouble)
-            .to(comm_.device());
-    comm_.allreduce(sums).wait();
-    comm_.synchronize();  // the host reads it next (Communicator::synchronize)
-    sums = sums.cpu();
-    meta.progress.epochLossSum = sums[0].item<double>();
-    meta.progress.epochSamples = static_cast<int64_t>(sums[1].item<double>());
+    const auto sums = reduceValues(
+        comm_, std::array<double, 2>{thisEpoch_.lossSum, static_cast<double>(thisEpoch_.samples)});
+    meta.progress.epochLossSum = sums[0];
+    meta.progress.epochSamples = static_cast<int64_t>(sums[1]);
     meta.progress.epochSteps = thisEpoch_.steps;
   }
   meta.progress.budgetSeconds = budgetSeconds();  // on the budget's clock

@@ -1,9 +1,10 @@
 // Trainer::Impl (train/trainer_impl.h): ZeRO, the optimizer sharded across ranks by
 // TrainerOptions::shardBy (hddp/ddp/sharded_optimizer.h).
 #include <algorithm>
+#include <array>
 #include <cmath>
-#include <cstring>
 
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "train/trainer_impl.h"
@@ -40,19 +41,14 @@ void Trainer::Impl::shardOptimizer() {
       const double room =
           free - 4.0 * std::max(bucket, largestTensor) - (options_.zero == 1 ? gradientBytes : 0.0);
       // One exchange of (free, room) and every rank decides alike from the same figures.
-      std::vector<uint8_t> mine(2 * sizeof(double));
-      std::memcpy(mine.data(), &free, sizeof(double));
-      std::memcpy(mine.data() + sizeof(double), &room, sizeof(double));
       std::vector<double> frees;
       std::vector<double> rooms;
       bool unknown = false;
       double roomSum = 0;
       double freeSum = 0;
-      for (const auto& bytes : comm_.allgatherBytes(mine)) {
-        double f = 0;
-        double r = 0;
-        std::memcpy(&f, bytes.data(), sizeof(double));
-        std::memcpy(&r, bytes.data() + sizeof(double), sizeof(double));
+      for (const auto& said : allgatherValue(comm_, std::array<double, 2>{free, room})) {
+        const double f = said[0];
+        const double r = said[1];
         unknown = unknown || !(f >= 0) || !std::isfinite(f);
         frees.push_back(std::isfinite(f) ? std::max(0.0, f) : 0.0);
         rooms.push_back(std::isfinite(r) ? std::max(0.0, r) : 0.0);

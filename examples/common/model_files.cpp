@@ -11,6 +11,7 @@
 
 #include "example_common.h"
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/train/state_dict.h"
@@ -35,19 +36,9 @@ std::vector<std::string> stateDictKeys(const torch::nn::Module& model) {
 // or every rank throws a ConfigError with rank 0's message, so that a failure there is
 // not a wait in the next collective on the others.
 void onRankZero(Communicator& comm, const std::function<void()>& work) {
-  std::string problem;
-  if (comm.rank() == 0) {
-    try {
-      work();
-    } catch (const c10::Error& e) {
-      problem = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      problem = e.what();
-    }
-  }
-  const auto all = comm.allgatherBytes(std::vector<uint8_t>(problem.begin(), problem.end()));
-  const std::string decided(all[0].begin(), all[0].end());
-  HDDP_CHECK_AS(ConfigError, decided.empty(), comm.rank() == 0 ? "" : "on rank 0: ", decided);
+  const RankOutcome decided = runAndShareOutcome(comm, comm.rank() == 0, work)[0];
+  HDDP_CHECK_AS(ConfigError, !decided.failed(),
+                comm.rank() == 0 ? "" : "on rank 0: ", decided.message);
 }
 
 void loadInto(torch::nn::Module& model, const CommonFlags& f) {

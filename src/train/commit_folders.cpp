@@ -1,11 +1,9 @@
 // Commit folders that not every rank shares (commit_folders.h).
 #include "train/commit_folders.h"
 
-#include <ATen/ATen.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +13,7 @@
 #include <set>
 
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/train/state_file.h"
@@ -25,65 +24,30 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<uint8_t> bytesOf(const std::string& s) { return {s.begin(), s.end()}; }
-std::string stringOf(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
-
-// What a rank tells the others of a failure it met: "!<why>" for one of the folder or its
-// files (a StateError on every rank), "#<why>" for running out of memory, which no file
-// causes and no rank may skip past (an hddp::Error on every rank). Call in a catch block.
-std::string failure() {
-  try {
-    throw;
-  } catch (const c10::OutOfMemoryError& e) {
-    return std::string("#") + e.what_without_backtrace();
-  } catch (const std::bad_alloc& e) {
-    return std::string("#") + e.what();
-  } catch (const c10::Error& e) {
-    return std::string("!") + e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return std::string("!") + e.what();
-  } catch (...) {
-    return "!an unknown error";
-  }
-}
-
-// Throws, on every rank alike, what rank `r` said (failure()'s form) when it failed.
-void throwIfFailed(int r, const std::string& said, const std::string& what) {
-  if (said.empty()) {
+// Throws, on every rank alike, what rank `r` said when it failed: out of memory, which no
+// file causes and no rank may skip past, as an hddp::Error; anything else (the folder or
+// its files) as a StateError.
+void throwIfFailed(int r, const RankOutcome& said, const std::string& what) {
+  if (!said.failed()) {
     return;
   }
-  HDDP_CHECK(said[0] != '#', what, ": rank ", r, " ran out of memory (", said.substr(1), ")");
-  HDDP_THROW(StateError, what, ": rank ", r, ": ", said.substr(said[0] == '!' ? 1 : 0));
+  HDDP_CHECK(said.failure != FailureKind::OutOfMemory, what, ": rank ", r, " ran out of memory (",
+             said.message, ")");
+  HDDP_THROW(StateError, what, ": rank ", r, ": ", said.message);
 }
 
 std::string tokenName(const std::string& nonce, int rank) {
   return ".hddp-folder-" + nonce + "-" + std::to_string(rank);
 }
 
-// Sends `payload` from `root` to every rank (collective): its length first, then the
-// bytes, on the communicator's device (NCCL's is the rank's GPU).
-std::string broadcastBytes(Communicator& comm, int root, const std::string& payload) {
-  const c10::Device dev = comm.device();
-  at::Tensor length =
-      at::full({1}, static_cast<int64_t>(payload.size()), at::TensorOptions().dtype(at::kLong))
-          .to(dev);
-  comm.broadcast(length, root).wait();
-  comm.synchronize();
-  const int64_t n = length.cpu().item<int64_t>();
-  at::Tensor bytes = at::empty({n}, at::TensorOptions().dtype(at::kByte));
-  if (comm.rank() == root) {
-    std::memcpy(bytes.data_ptr<uint8_t>(), payload.data(), payload.size());
-  }
-  bytes = bytes.to(dev);
-  comm.broadcast(bytes, root).wait();
-  comm.synchronize();
-  if (comm.rank() == root) {
-    return payload;
-  }
-  const at::Tensor host = bytes.cpu();
-  return std::string(reinterpret_cast<const char*>(host.data_ptr<uint8_t>()),
-                     static_cast<size_t>(n));
-}
+// What a writer found in its folder (chooseCommit), every rank's by rank.
+struct FolderScan {
+  int64_t refused = 0;  // valid files `accept` refused (another job's)
+  int64_t step = -1;    // the newest valid commit's step (when found)
+  uint64_t id = 0;      // and its id
+  int32_t found = 0;    // 1: step and id name a commit
+  int32_t unused = 0;   // no padding travels unset
+};
 
 }  // namespace
 
@@ -104,8 +68,8 @@ FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool creat
                   static_cast<int>(getpid()));
     nonce = text;
   }
-  nonce = stringOf(comm.allgatherBytes(bytesOf(nonce))[0]);
-  std::string problem;
+  nonce = broadcastBytes(comm, 0, nonce);
+  RankOutcome problem;
   const fs::path mine = fs::path(dir) / tokenName(nonce, comm.rank());
   std::error_code missing;
   bool alone = !create && !fs::is_directory(dir, missing);
@@ -120,13 +84,14 @@ FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool creat
       HDDP_CHECK_AS(StateError, alone || token.good(), "cannot write in the save folder ", dir,
                     " (read-only? full?)");
     } catch (...) {  // whatever it is, the others hear of it in the allgather below
-      problem = failure();
+      problem = currentFailure();
     }
   // Every rank's token is written before any rank looks.
-  const auto written = comm.allgatherBytes(bytesOf(problem));
-  int lowest = comm.rank();
-  std::string listing;  // failure()'s form, when the listing failed
-  if (problem.empty() && !alone) try {
+  const auto written = allgatherOutcomes(comm, problem);
+  // The lowest rank whose token this rank sees: the writer of its folder.
+  RankResult<int32_t> lowest;
+  lowest.value = comm.rank();
+  if (!problem.failed() && !alone) try {
       // A listing, not a lookup by name: opening the folder revalidates it on a network
       // file system, where a lookup may answer from a cache that has not seen the file.
       std::set<std::string> seen;
@@ -136,28 +101,28 @@ FolderGroups folderGroups(Communicator& comm, const std::string& dir, bool creat
       }
       HDDP_CHECK_AS(StateError, !ec, "cannot list the save folder ", dir, ": ", ec.message());
       for (int r = 0; r < comm.size(); ++r) {
-        if (written[static_cast<size_t>(r)].empty() && seen.count(tokenName(nonce, r))) {
-          lowest = r;
+        if (!written[static_cast<size_t>(r)].failed() && seen.count(tokenName(nonce, r))) {
+          lowest.value = r;
           break;
         }
       }
     } catch (...) {  // told in the allgather below, so that no rank leaves before it
-      listing = failure();
+      static_cast<RankOutcome&>(lowest) = currentFailure();
     }
-  const std::string me = listing.empty() ? std::to_string(lowest) : listing;
-  const auto all = comm.allgatherBytes(bytesOf(me));
+  const auto all = allgatherResults(comm, lowest);
   std::error_code ec;
   if (!alone) {
     fs::remove(mine, ec);
   }
   for (int r = 0; r < comm.size(); ++r) {
-    throwIfFailed(r, stringOf(written[static_cast<size_t>(r)]), "the save folder " + dir);
+    throwIfFailed(r, written[static_cast<size_t>(r)], "the save folder " + dir);
   }
   for (int r = 0; r < comm.size(); ++r) {
-    const std::string said = stringOf(all[static_cast<size_t>(r)]);
-    throwIfFailed(r, said.empty() || std::isdigit(static_cast<unsigned char>(said[0])) ? "" : said,
-                  "the save folder " + dir);
-    groups.writer.push_back(std::stoi(said));
+    const RankResult<int32_t>& said = all[static_cast<size_t>(r)];
+    throwIfFailed(r, said, "the save folder " + dir);
+    HDDP_CHECK(said.value >= 0 && said.value < comm.size(), "the save folder ", dir, ": rank ", r,
+               " named rank ", said.value, " its folder's writer");
+    groups.writer.push_back(said.value);
   }
   if (groups.count() > 1) {
     std::string writers;
@@ -180,11 +145,10 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   HDDP_CHECK(static_cast<int>(groups.writer.size()) == comm.size(),
              "chooseCommit: the folder groups are not this communicator's");
   const int rank = comm.rank();
-  // Each writer scans its folder and says "<passed over> <step>", "<passed over> !<problem>"
-  // or "<passed over>" (none); <passed over>: valid files `accept` refused.
-  std::string found;
+  // Each writer scans its folder and tells what it found (FolderScan), or its problem.
+  RankResult<FolderScan> mine;
+  FolderScan& found = mine.value;
   std::string scanned;  // the payload of the newest valid file of this writer
-  size_t refused = 0;
   if (groups.writes(rank)) {
     try {
       std::error_code ec;
@@ -192,11 +156,11 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
       HDDP_CHECK_AS(StateError, !ec || ec == std::errc::no_such_file_or_directory,
                     "cannot list the save folder ", groups.dir, ": ", ec.message());
       const auto files = listStateFiles(groups.dir);
-      for (auto it = files.rbegin(); it != files.rend() && found.empty(); ++it) {
+      for (auto it = files.rbegin(); it != files.rend() && found.found == 0; ++it) {
         try {
           std::string payload = readStateFile(*it);
           if (accept && !accept(payload)) {
-            ++refused;
+            ++found.refused;
             continue;
           }
           const std::string name = fs::path(*it).filename().string();
@@ -204,8 +168,9 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
           // the same step (a folder reused from another attempt), which must not both load.
           const uint64_t id =
               identify ? identify(payload) : crc32Of(payload.data(), payload.size());
-          found = std::to_string(std::stoll(name.substr(6, name.size() - 6 - 5))) + " " +
-                  std::to_string(id);
+          found.step = std::stoll(name.substr(6, name.size() - 6 - 5));
+          found.id = id;
+          found.found = 1;
           scanned = std::move(payload);
         } catch (const c10::OutOfMemoryError&) {  // no verdict on the file: reported below
           throw;
@@ -217,16 +182,18 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
                         error ? error->what_without_backtrace() : e.what());
         }
       }
-      if (found.empty() && files.size() > refused) {
-        found = "!none of the " + std::to_string(files.size() - refused) +
-                " state files (state-NNNNNNNN.hddp) in " + groups.dir +
-                " is valid (see the warnings above); move them away to start fresh";
+      const size_t refused = static_cast<size_t>(found.refused);
+      if (found.found == 0 && files.size() > refused) {
+        mine.failure = FailureKind::State;
+        mine.message = "none of the " + std::to_string(files.size() - refused) +
+                       " state files (state-NNNNNNNN.hddp) in " + groups.dir +
+                       " is valid (see the warnings above); move them away to start fresh";
       }
-    } catch (...) {  // an unreadable folder ("!"), or out of memory ("#": fails every rank)
-      found = failure();
+    } catch (...) {  // an unreadable folder, or out of memory (fails every rank)
+      static_cast<RankOutcome&>(mine) = currentFailure();
     }
   }
-  const auto all = comm.allgatherBytes(bytesOf(std::to_string(refused) + " " + found));
+  const auto all = allgatherResults(comm, mine);
   ChosenCommit chosen;
   int source = -1;
   std::string problem;
@@ -234,23 +201,20 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   std::vector<int64_t> steps(static_cast<size_t>(comm.size()), -1);
   std::vector<uint64_t> ids(static_cast<size_t>(comm.size()), 0);
   for (int r = 0; r < comm.size(); ++r) {
-    const std::string line = stringOf(all[static_cast<size_t>(r)]);
-    const size_t space = line.find(' ');
-    passedOver += static_cast<size_t>(std::stoll(line.substr(0, space)));
-    const std::string said = line.substr(space + 1);
-    if (said.empty()) {
-      continue;
-    }
-    if (said[0] == '#') {  // a failure, never a folder to pass over
+    const RankResult<FolderScan>& said = all[static_cast<size_t>(r)];
+    passedOver += static_cast<size_t>(said.value.refused);
+    if (said.failure == FailureKind::OutOfMemory) {  // a failure, never a folder to pass over
       throwIfFailed(r, said, "cannot resume");
     }
-    if (said[0] == '!') {
-      problem = problem.empty() ? "rank " + std::to_string(r) + ": " + said.substr(1) : problem;
+    if (said.failed()) {
+      problem = problem.empty() ? "rank " + std::to_string(r) + ": " + said.message : problem;
       continue;
     }
-    const size_t gap = said.find(' ');
-    steps[static_cast<size_t>(r)] = std::stoll(said.substr(0, gap));
-    ids[static_cast<size_t>(r)] = std::stoull(said.substr(gap + 1));
+    if (said.value.found == 0) {
+      continue;
+    }
+    steps[static_cast<size_t>(r)] = said.value.step;
+    ids[static_cast<size_t>(r)] = said.value.id;
     if (steps[static_cast<size_t>(r)] > chosen.step) {
       chosen.step = steps[static_cast<size_t>(r)];
       source = r;
@@ -308,7 +272,7 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
   std::string got = broadcastBytes(comm, source, sent);
   chosen.bytes = static_cast<int64_t>(got.size());
   chosen.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::string problemHere;
+  RankOutcome problemHere;
   if (lacks[static_cast<size_t>(rank)]) {
     try {
       HDDP_CHECK_AS(StateError, got.size() >= sizeof(uint32_t), "the commit sent by rank ", source,
@@ -324,13 +288,13 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
         writeStateFile(chosen.path, chosen.payload);
       }
     } catch (...) {  // whatever it is (out of memory too), the others hear of it below
-      problemHere = failure();
+      problemHere = currentFailure();
     }
   }
   // Every rank learns whether the transfer worked, so none trains on alone.
-  const auto outcome = comm.allgatherBytes(bytesOf(problemHere));
+  const auto outcome = allgatherOutcomes(comm, problemHere);
   for (int r = 0; r < comm.size(); ++r) {
-    throwIfFailed(r, stringOf(outcome[static_cast<size_t>(r)]), "cannot resume");
+    throwIfFailed(r, outcome[static_cast<size_t>(r)], "cannot resume");
   }
   if (scannedIsChosen && chosen.payload.empty()) {
     chosen.payload = std::move(scanned);

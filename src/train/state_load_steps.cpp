@@ -16,6 +16,7 @@
 #include "hddp/balance/compression_model.h"
 #include "hddp/balance/planner.h"
 #include "hddp/comm/communicator.h"
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
 #include "hddp/ddp/power_sgd.h"
@@ -195,52 +196,37 @@ StateMeta::Progress readProgress(InputArchive& archive, const std::string& path)
 
 void agreeLoadStep(Communicator& comm, const std::string& path, const std::function<void()>& work) {
   std::exception_ptr error;
-  std::string said;  // "F<message>": the file's fault; "E<message>": another failure
-  const auto foreign = [&](const char* what) {
+  // State: the file's fault (a StateError everywhere); any other kind: another failure
+  // (an hddp::Error on the other ranks).
+  RankOutcome said;
+  try {
+    work();
+  } catch (...) {
+    error = std::current_exception();
+    said = currentFailure();
+  }
+  if (said.failure == FailureKind::Foreign) {
+    // What LibTorch (or the standard library) refused in the file's contents.
     try {
       HDDP_THROW(StateError, "cannot resume from ", path,
-                 ": LibTorch refused what the state file holds (", what,
+                 ": LibTorch refused what the state file holds (", said.message,
                  "); it is damaged or not hddp's. Resume from an earlier state file.");
     } catch (const StateError& e) {
       error = std::current_exception();
-      said = std::string("F") + e.what_without_backtrace();
+      said = {FailureKind::State, e.what_without_backtrace()};
     }
-  };
-  try {
-    work();
-  } catch (const StateError& e) {
-    error = std::current_exception();
-    said = std::string("F") + e.what_without_backtrace();
-  } catch (const Error& e) {
-    error = std::current_exception();
-    said = std::string("E") + e.what_without_backtrace();
-  } catch (const c10::OutOfMemoryError& e) {
-    error = std::current_exception();
-    said = std::string("E") + e.what_without_backtrace();
-  } catch (const c10::AcceleratorError& e) {
-    error = std::current_exception();
-    said = std::string("E") + e.what_without_backtrace();
-  } catch (const c10::Error& e) {
-    foreign(e.what_without_backtrace());
-  } catch (const std::bad_alloc& e) {
-    error = std::current_exception();
-    said = std::string("E") + e.what();
-  } catch (const std::exception& e) {
-    foreign(e.what());
   }
-  const auto all = comm.allgatherBytes(std::vector<uint8_t>(said.begin(), said.end()));
+  const auto all = allgatherOutcomes(comm, said);
   if (error) {
     std::rethrow_exception(error);
   }
-  for (size_t r = 0; r < all.size(); ++r) {
-    const std::string other(all[r].begin(), all[r].end());
-    if (other.empty()) {
-      continue;
+  const int r = firstFailed(all);
+  if (r >= 0) {
+    const RankOutcome& other = all[static_cast<size_t>(r)];
+    if (other.failure == FailureKind::State) {
+      HDDP_THROW(StateError, "loading ", path, " failed on rank ", r, ": ", other.message);
     }
-    if (other[0] == 'F') {
-      HDDP_THROW(StateError, "loading ", path, " failed on rank ", r, ": ", other.substr(1));
-    }
-    HDDP_THROW(Error, "loading ", path, " failed on rank ", r, ": ", other.substr(1));
+    HDDP_THROW(Error, "loading ", path, " failed on rank ", r, ": ", other.message);
   }
 }
 

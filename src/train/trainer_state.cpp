@@ -199,7 +199,7 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
   }
   // Each writer's outcome reaches every rank: a full disk on one node fails the save on
   // all of them, not the next collective on the others.
-  std::string problem;
+  RankOutcome problem;
   if (groups->writes(parts.comm.rank())) try {
       OutputArchive archive;
       archive.write("meta", encode(meta));
@@ -267,16 +267,13 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
       writeStateFile(path, archiveBytes(archive));
       pruneStateFiles(directory, keepLast);
       HDDP_LOG_INFO("train", "saved step ", meta.step, " to ", path);
-    } catch (const c10::Error& e) {
-      problem = e.what_without_backtrace();
-    } catch (const std::exception& e) {
-      problem = e.what();
+    } catch (...) {  // whatever it is, every rank hears of it below
+      problem = currentFailure();
     }
-  const auto outcomes =
-      parts.comm.allgatherBytes(std::vector<uint8_t>(problem.begin(), problem.end()));
+  const auto outcomes = allgatherOutcomes(parts.comm, problem);
   for (size_t r = 0; r < outcomes.size(); ++r) {
-    HDDP_CHECK_AS(StateError, outcomes[r].empty(), "saving step ", meta.step, " failed on rank ", r,
-                  ": ", std::string(outcomes[r].begin(), outcomes[r].end()));
+    HDDP_CHECK_AS(StateError, !outcomes[r].failed(), "saving step ", meta.step, " failed on rank ",
+                  r, ": ", outcomes[r].message);
   }
   return path;
 }

@@ -47,11 +47,8 @@ std::vector<int64_t> savedMembers(InputArchive& file, int64_t savedRanks, const 
 // For each rank of this job, the saved rank it continues (the same member: slot or
 // rank), -1 for a newcomer; `saved` is savedMembers() of the file. Collective.
 std::vector<int> matchMembers(const StateParts& parts, const std::vector<int64_t>& saved) {
-  const std::string bytes = std::to_string(memberId(parts));
-  const auto all = parts.comm.allgatherBytes(std::vector<uint8_t>(bytes.begin(), bytes.end()));
   std::vector<int> from;
-  for (const auto& b : all) {
-    const int64_t id = std::stoll(std::string(b.begin(), b.end()));
+  for (const int64_t id : allgatherValue<int64_t>(parts.comm, memberId(parts))) {
     const auto it = std::find(saved.begin(), saved.end(), id);
     from.push_back(it == saved.end() ? -1 : static_cast<int>(it - saved.begin()));
   }
@@ -61,26 +58,21 @@ std::vector<int> matchMembers(const StateParts& parts, const std::vector<int64_t
 // A state file named by the user: rank 0 checks it and tells the others (its error
 // reaches every rank, so none waits for the others until a timeout).
 std::string chooseStateFile(Communicator& comm, const std::string& file) {
-  std::string problem;  // "!<why>": the file's fault; "#<why>": another failure (memory)
+  // Out of memory is no fault of the file's: an hddp::Error, not a StateError.
+  RankOutcome mine;
   if (comm.rank() == 0) try {
       readStateFile(file);
-    } catch (const c10::OutOfMemoryError& e) {
-      problem = std::string("#") + e.what_without_backtrace();
-    } catch (const c10::Error& e) {
-      problem = std::string("!") + e.what_without_backtrace();
-    } catch (const std::bad_alloc& e) {  // the others must still hear of it
-      problem = std::string("#") + e.what();
-    } catch (const std::exception& e) {
-      problem = std::string("!") + e.what();
+    } catch (...) {  // the others must still hear of it
+      mine = currentFailure();
     }
-  const std::string mine = problem.empty() ? file : problem;
-  const auto all = comm.allgatherBytes(std::vector<uint8_t>(mine.begin(), mine.end()));
-  const std::string decided(all[0].begin(), all[0].end());
-  HDDP_CHECK(decided.empty() || decided[0] != '#', "cannot resume from ", file,
-             ": rank 0 failed while reading it (", decided.substr(1), ")");
-  HDDP_CHECK_AS(StateError, decided.empty() || decided[0] != '!',
-                "cannot resume: ", decided.substr(decided.empty() ? 0 : 1));
-  return decided;
+  if (!mine.failed()) {
+    mine.message = file;  // rank 0's, which every rank takes
+  }
+  const RankOutcome decided = allgatherOutcomes(comm, mine)[0];
+  HDDP_CHECK(decided.failure != FailureKind::OutOfMemory, "cannot resume from ", file,
+             ": rank 0 failed while reading it (", decided.message, ")");
+  HDDP_CHECK_AS(StateError, !decided.failed(), "cannot resume: ", decided.message);
+  return decided.message;
 }
 
 // Whether `path` names one file (rank 0's view, so that every rank takes the same way):
@@ -89,8 +81,7 @@ bool namesAFile(Communicator& comm, const std::string& path) {
   std::error_code ec;
   const bool file = std::filesystem::path(path).extension() == ".hddp" ||
                     (std::filesystem::exists(path, ec) && !std::filesystem::is_directory(path, ec));
-  const auto all = comm.allgatherBytes({static_cast<uint8_t>(file ? 1 : 0)});
-  return all[0].at(0) == 1;
+  return allgatherValue<uint8_t>(comm, file ? 1 : 0)[0] == 1;
 }
 
 // The compression the file was trained with, against this run's: adopted when

@@ -95,7 +95,11 @@ void readPng(PngRead* read) {
     png_set_palette_to_rgb(png);  // and tRNS to alpha, which toChannels drops
   }
   if (colorType == PNG_COLOR_TYPE_GRAY && png_get_bit_depth(png, info) < 8) {
-    png_set_expand_gray_1_2_4_to_8(png);  // scaled: 1 -> 255, as stb_image scales
+    if (read->classIds) {
+      png_set_packing(png);  // a mask's ids of 1, 2 and 4 bits, not scaled (as a palette's)
+    } else {
+      png_set_expand_gray_1_2_4_to_8(png);  // scaled: 1 -> 255, as stb_image scales
+    }
   }
   const int passes = png_set_interlace_handling(png);
   png_read_update_info(png, info);

@@ -7,11 +7,11 @@
 // Samples of one byte are taken as they are, not scaled by maxval (stb_image, which hddp
 // used before, did not scale either; a mask saved with maxval 20 keeps its class ids
 // 0..20). Samples of two bytes (maxval 256..65535) are scaled to 8 bits in an image,
-// (v * 255 + maxval / 2) / maxval, so that maxval 1000's 1000 is 255 (and 65535's 65281 is
-// 254, where keeping the high byte made it 255); in a mask they are class ids as they
-// are, refused above 255 (toClassIds). Numbers are checked for overflow and the samples
-// against the bytes present before anything is allocated. ASCII PGM/PPM (P2, P3), PBM
-// (P1, P4) and PAM (P7) are refused with a message.
+// (v * 255 + maxval / 2) / maxval, so that maxval 1000's 1000 is 255; at maxval 65535
+// they keep their high byte, as a 16-bit PNG's do (one picture decodes alike from either
+// file). In a mask they are class ids as they are, refused above 255 (toClassIds). Numbers are
+// checked for overflow and the samples against the bytes present before anything is allocated.
+// ASCII PGM/PPM (P2, P3), PBM (P1, P4) and PAM (P7) are refused with a message.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -88,12 +88,16 @@ class PnmHeader {
   size_t pos_ = 0;
 };
 
-// 16-bit big-endian samples of at most `maxval` (above it: 255) to 8 bits, rounded.
+// 16-bit big-endian samples of at most `maxval` (above it: 255) to 8 bits: the high byte
+// at maxval 65535, as a 16-bit PNG's (toChannels), so that one picture decodes alike from
+// either; rounded v * 255 / maxval below it.
 std::vector<uint8_t> scaleTo8Bits(const uint8_t* samples, int64_t count, int64_t maxval) {
   std::vector<uint8_t> out(static_cast<size_t>(count));
   for (int64_t i = 0; i < count; ++i) {
     const int64_t v = (samples[2 * i] << 8) | samples[2 * i + 1];
-    out[i] = static_cast<uint8_t>(std::min<int64_t>(255, (v * 255 + maxval / 2) / maxval));
+    out[i] = maxval == 65535
+                 ? samples[2 * i]
+                 : static_cast<uint8_t>(std::min<int64_t>(255, (v * 255 + maxval / 2) / maxval));
   }
   return out;
 }

@@ -168,11 +168,11 @@ TEST(ImageDecode, PngOfEveryColorTypeAndBitDepthEqualsStbImage) {
 }
 
 // Binary PGM/PPM: equal to stb_image for 8-bit samples, not scaled by maxval (a mask
-// saved with maxval 20 keeps 0..20); 16-bit samples scaled to 8 bits, rounded, before
-// channels are converted (stb_image 2.27 kept the low byte: it read big-endian samples
-// as little-endian, and converted channels as if they had 8 bits: finding 12; hddp then
-// kept the high byte). More maxvals in image_mask_test.cpp.
-TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesAreScaledToEightBits) {
+// saved with maxval 20 keeps 0..20); 16-bit samples of maxval 65535 keep their high byte
+// before channels are converted, as a 16-bit PNG's (stb_image 2.27 kept the low byte: it
+// read big-endian samples as little-endian, and converted channels as if they had 8 bits:
+// finding 12). Smaller maxvals are scaled: image_mask_test.cpp.
+TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesKeepTheirHighByte) {
   const std::string dir = hddp::testing::makeTempDir();
   std::mt19937 rng(7);
   const auto samples = [&rng](size_t n, int maxval) {
@@ -202,7 +202,7 @@ TEST(ImageDecode, PgmAndPpmEqualStbImageAnd16BitSamplesAreScaledToEightBits) {
   writeFile(dir + "/16.pgm", std::string("P5 2 1 65535\n\x12\x34\xff\x01", 17));
   writeFile(dir + "/16.ppm",
             std::string("P6 2 1 65535\n\x80\x00\x40\x00\x01\x00\xff\xff\x00\x00\x00\xff", 25));
-  const auto to8 = [](int v) { return (v * 255 + 32767) / 65535; };  // 0xff01: 254, not 255
+  const auto to8 = [](int v) { return v >> 8; };  // maxval 65535: the high byte, as PNG's
   EXPECT_TRUE(hddp::decodeImage(dir + "/16.pgm", 1)
                   .equal(torch::tensor({to8(0x1234), to8(0xff01)}, at::kByte).view({1, 1, 2})));
   EXPECT_TRUE(hddp::decodeImage(dir + "/16.pgm", 3)

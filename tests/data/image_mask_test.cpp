@@ -120,6 +120,38 @@ TEST(ImageMask, SixteenBitGrayMasksKeepTheirValuesUpTo255) {
   EXPECT_NE(error.find("class ids 0..255"), std::string::npos) << error;
 }
 
+// Gray of 1, 2 and 4 bits: a mask's ids as stored (a 2-bit mask's 3 was 255, and the
+// dataset then counted 256 classes); an image's gray scaled to 0..255 as before.
+TEST(ImageMask, LowBitGrayMasksKeepTheirValues) {
+  const std::string dir = hddp::testing::makeTempDir();
+  for (const int bits : {1, 2, 4}) {
+    std::vector<int> values;
+    for (int i = 0; i < 11 * 2; ++i) {
+      values.push_back(i * 5 % (1 << bits));
+    }
+    const std::string path = dir + "/g" + std::to_string(bits) + ".png";
+    writePng(path, PNG_COLOR_TYPE_GRAY, bits, 11, 2, values);
+    EXPECT_TRUE(hddp::data::decodeMask(path, false).equal(ids(values, 2, 11))) << bits;
+    EXPECT_EQ(hddp::decodeImage(path, 1).max().item<int>(), 255) << bits;  // the top value
+  }
+}
+
+// One 16-bit picture, as a PNG and as a PGM of maxval 65535, decodes to the same pixels.
+TEST(ImageMask, SixteenBitPngAndPgmDecodeAlike) {
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::vector<int> values = {0, 1, 0x1234, 0x7fff, 0x8080, 0xff01, 0xff80, 0xffff};
+  writePng(dir + "/16.png", PNG_COLOR_TYPE_GRAY, 16, 4, 2, values);
+  std::string pgm = "P5 4 2 65535\n";
+  for (const int v : values) {
+    pgm += static_cast<char>(v >> 8);
+    pgm += static_cast<char>(v & 0xff);
+  }
+  writeFile(dir + "/16.pgm", pgm);
+  const at::Tensor png = hddp::decodeImage(dir + "/16.png", 1);
+  EXPECT_TRUE(png.equal(hddp::decodeImage(dir + "/16.pgm", 1)))
+      << png << hddp::decodeImage(dir + "/16.pgm", 1);
+}
+
 // Gray stored as RGB (PNG, and BMP and TGA through stb_image) is that gray; colors that
 // differ are no class ids and are refused, naming the pixel.
 TEST(ImageMask, RgbMasksOfEqualColorsAreGrayAndOthersAreRefused) {
@@ -166,7 +198,8 @@ TEST(ImageMask, SegmentationFolderReadsPaletteMasksAsClassIds) {
 }
 
 // maxval 256..65535: two bytes a sample. An image scales them to 8 bits, rounded ("P5 2 1
-// 1000" with 200 and 1000 was [0, 3], their high bytes); a mask keeps values up to 255.
+// 1000" with 200 and 1000 was [0, 3], their high bytes), but at 65535 keeps the high byte
+// as a 16-bit PNG does (so 0xff01 is 255 from either); a mask keeps values up to 255.
 TEST(ImageMask, PgmAndPpmOfTwoByteSamplesAreScaledInImagesAndKeptInMasks) {
   const std::string dir = hddp::testing::makeTempDir();
   const auto be16 = [](std::initializer_list<int> values) {
@@ -188,7 +221,8 @@ TEST(ImageMask, PgmAndPpmOfTwoByteSamplesAreScaledInImagesAndKeptInMasks) {
                                   be16({v[0], v[1], v[2], v[3], v[4], v[5]}));
     std::vector<int> scaled;
     for (const int x : v) {
-      scaled.push_back(static_cast<int>((int64_t{x} * 255 + maxval / 2) / maxval));
+      scaled.push_back(
+          maxval == 65535 ? x >> 8 : static_cast<int>((int64_t{x} * 255 + maxval / 2) / maxval));
     }
     const at::Tensor expected = torch::tensor(scaled, at::kByte);
     EXPECT_TRUE(hddp::decodeImage(dir + "/a.pgm", 1).equal(expected.view({1, 1, 6})))

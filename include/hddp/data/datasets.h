@@ -113,8 +113,9 @@ struct ImageLimits {
 
 /// Decodes an image file into uint8 [channels, H, W] (channels 1 or 3), by what its first
 /// bytes say: PNG with libpng, JPEG with libjpeg-turbo (its defaults, as Pillow decodes),
-/// binary PGM/PPM (P5/P6) with hddp's own reader (samples not scaled by maxval; 16-bit
-/// samples keep their high byte), GIF, BMP and TGA with stb_image. Channels are converted as
+/// binary PGM/PPM (P5/P6) with hddp's own reader (1-byte samples as stored, whatever the
+/// maxval; 2-byte samples of maxval 65535 keep their high byte, as a 16-bit PNG's do, and
+/// of a smaller maxval are scaled to 0..255, rounded), GIF, BMP and TGA with stb_image. Channels are converted as
 /// stb_image converts them: gray to RGB by copying, RGB to gray as (77 R + 150 G + 29 B) >> 8 (a
 /// YCbCr JPEG gives its Y plane), alpha dropped. hddp::DataError naming the file and what is wrong
 /// when it cannot be decoded, and before decoding when it is larger than `limits` or claims more
@@ -162,8 +163,10 @@ class SyntheticShapesDataset : public Dataset {
 
 /// Image/mask folder pairs: `dir`/images/NAME.png and `dir`/masks/NAME.png (any format
 /// decodeImage reads; the mask is matched by file stem). Mask pixels are class ids
-/// (0..K-1); a mask that only holds 0 and 255 is read as binary (255 -> 1). Images are
-/// resized to `size` (bilinear; masks nearest) unless 0.
+/// (0..K-1, K <= 256) as the file stores them: a palette PNG's indices (PASCAL VOC), gray
+/// values (16-bit ones too while they fit), RGB whose three colors are equal; other
+/// colors are a DataError naming the pixel. A mask that only holds 0 and 255 is read as
+/// binary (255 -> 1). Images are resized to `size` (bilinear; masks nearest) unless 0.
 class SegmentationFolderDataset : public Dataset {
  public:
   SegmentationFolderDataset(const std::string& dir, int channels, int size);

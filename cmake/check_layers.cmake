@@ -19,9 +19,8 @@ endif()
 get_filename_component(SOURCE_DIR "${SOURCE_DIR}" ABSOLUTE)
 
 # Private headers that the layers above share (the library's own internals: the
-# gradient capture used by DDP and checkpointing, LibTorch version shims, the Trainer's
-# access to DDP's abandoned step and bucket times).
-set(SHARED_PRIVATE_HEADERS core/gradient_capture.h core/torch_compat.h ddp/ddp_access.h)
+# gradient capture used by DDP and checkpointing, LibTorch version shims).
+set(SHARED_PRIVATE_HEADERS core/gradient_capture.h core/torch_compat.h)
 
 # ---- the rules, from the architecture document ------------------------------------------
 if(NOT LAYERS_DOC)

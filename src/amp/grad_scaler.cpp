@@ -4,6 +4,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <limits>
 #include <map>
 #include <set>
 
@@ -203,17 +204,26 @@ void GradScaler::save(torch::serialize::OutputArchive& archive) const {
 
 void GradScaler::load(torch::serialize::InputArchive& archive) {
   // InputArchive::read reuses a defined tensor (set_), so every key gets a fresh one.
+  // Everything is read and checked before anything changes: a damaged entry leaves the
+  // scaler as it was.
   auto read = [&archive](const char* key) {
     at::Tensor t;
-    archive.read(key, t);
+    HDDP_CHECK_AS(StateError, archive.try_read(key, t), "GradScaler state: no '", key, "' entry");
+    HDDP_CHECK_AS(StateError, t.numel() == 1, "GradScaler state: '", key, "' holds ", t.numel(),
+                  " elements, expected one");
     return t;
   };
   const double scale = read("scale").item<double>();
   const int64_t tracker = read("growth_tracker").item<int64_t>();
-  options_.growthFactor = read("growth_factor").item<double>();
-  options_.backoffFactor = read("backoff_factor").item<double>();
-  options_.growthInterval = read("growth_interval").item<int64_t>();
-  options_.enabled = read("enabled").item<int64_t>() != 0;
+  HDDP_CHECK_AS(StateError, tracker >= 0 && tracker <= std::numeric_limits<int32_t>::max(),
+                "GradScaler state: 'growth_tracker' is ", tracker,
+                ", not a count of steps (0 to 2^31 - 1)");
+  GradScalerOptions loaded = options_;
+  loaded.growthFactor = read("growth_factor").item<double>();
+  loaded.backoffFactor = read("backoff_factor").item<double>();
+  loaded.growthInterval = read("growth_interval").item<int64_t>();
+  loaded.enabled = read("enabled").item<int64_t>() != 0;
+  options_ = loaded;
   const at::Device device = scale_.defined() ? scale_.device() : at::Device(at::kCPU);
   scale_ = at::full({1}, scale, at::TensorOptions().dtype(at::kFloat).device(device));
   growthTracker_ = at::full({1}, tracker, at::TensorOptions().dtype(at::kInt).device(device));

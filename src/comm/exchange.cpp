@@ -78,7 +78,14 @@ RankOutcome currentFailure() {
   } catch (const Error& e) {
     out = {FailureKind::Error, e.what_without_backtrace()};
   } catch (const c10::Error& e) {
-    out = {FailureKind::Foreign, e.what_without_backtrace()};
+    // LibTorch's CPU allocator reports a failed allocation as a plain c10::Error (its
+    // enforce in alloc_cpu.cpp), not as an OutOfMemoryError: it is out of memory too,
+    // never the fault of the input being read (a state file is read on the host).
+    const std::string what = e.what_without_backtrace();
+    out = {what.find("DefaultCPUAllocator: can't allocate memory") != std::string::npos
+               ? FailureKind::OutOfMemory
+               : FailureKind::Foreign,
+           what};
   } catch (const std::bad_alloc& e) {
     out = {FailureKind::OutOfMemory, e.what()};
   } catch (const std::exception& e) {
@@ -87,6 +94,12 @@ RankOutcome currentFailure() {
     out = {FailureKind::Foreign, "an unknown error"};
   }
   return out;
+}
+
+void rethrowIfOutOfMemory() {
+  if (currentFailure().failure == FailureKind::OutOfMemory) {
+    throw;
+  }
 }
 
 void throwAs(FailureKind kind, const std::string& message) {

@@ -19,6 +19,7 @@ void DistributedDataParallel::Impl::setBatch(int64_t local, int64_t global) {
   bufferWeight_ += weight_;
   batchSet_ = true;
   stepDone_ = false;  // a new step: finalize() synchronizes again
+  collectivesEnded_ = false;
 }
 
 void DistributedDataParallel::Impl::registerHooks() {
@@ -104,6 +105,7 @@ void DistributedDataParallel::Impl::onGradientReady(int index) {
 void DistributedDataParallel::Impl::beginStep() {
   stepActive_ = true;
   stepDone_ = false;
+  collectivesEnded_ = false;
   nextBucket_ = 0;
   stats_ = DdpStepStats{};
   stats_.buckets = static_cast<int>(buckets_.size());

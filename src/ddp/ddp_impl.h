@@ -16,7 +16,6 @@
 #include <utility>
 #include <vector>
 
-#include "ddp/ddp_access.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 
 namespace hddp {
@@ -124,6 +123,7 @@ class DistributedDataParallel::Impl {
 
   /// The end of a synchronized backward (queued on the autograd engine).
   void finalize();
+  void finalizeStep();  // finalize() but for its out-of-memory error after the collectives
   /// This rank could not finish the step (out of memory): zeros for every gradient not
   /// yet sent and a 1 in the status slot; false when every bucket was already sent.
   bool abandonStep();
@@ -201,6 +201,8 @@ class DistributedDataParallel::Impl {
   bool warnedSparse_ = false;
   bool abandoning_ = false;
   bool abandonedLocally_ = false;
+  // finalize() ran out of memory after the step's collectives ended (until the next step).
+  bool collectivesEnded_ = false;
   int nextBucket_ = 0;
   size_t readyCount_ = 0;
   int64_t step_ = 0;

@@ -16,7 +16,29 @@ namespace hddp {
 using ddp::Clock;
 using ddp::secondsBetween;
 
+// Out of memory after the step's collectives ended (a hook's second round being issued,
+// its finish, the gradients' copies): the peers have their sums and go on, so the step
+// can be neither abandoned nor repeated; an out-of-memory error would make the caller
+// try both (DESIGN.md: a collective is agreed). Before that point (stepActive_ still
+// set) it stays what it is: abandonStep() sends what is left.
 void DistributedDataParallel::Impl::finalize() {
+  try {
+    finalizeStep();
+  } catch (const c10::OutOfMemoryError& e) {
+    if (stepActive_) {
+      throw;
+    }
+    collectivesEnded_ = true;
+    HDDP_THROW(DistributedError, "rank ", comm_.rank(),
+               " ran out of memory after the step's collectives were sent (",
+               e.what_without_backtrace(),
+               "); the step can be neither abandoned nor repeated, as the other ranks have "
+               "gone on. Resume from the last checkpoint with a smaller share on this rank "
+               "(--max-local-batch)");
+  }
+}
+
+void DistributedDataParallel::Impl::finalizeStep() {
   HDDP_CHECK(!noSync_,
              "finalize() inside noSync(): gradients are only synchronized "
              "outside the noSync scope");
@@ -266,6 +288,9 @@ void DistributedDataParallel::Impl::restoreUnusedEverywhere(const std::vector<bo
 
 bool DistributedDataParallel::Impl::abandonStep() {
   HDDP_CHECK(!noSync_, "abandonStep() inside noSync(): nothing is being synchronized");
+  if (collectivesEnded_) {
+    return false;  // finalize() failed after the step's collectives: too late
+  }
   if (!stepActive_) {
     beginStep();
   }

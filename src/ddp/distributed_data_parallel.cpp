@@ -82,26 +82,23 @@ void DistributedDataParallel::setCompression(GradCompression compression,
   }
 }
 
-namespace detail {
+bool DistributedDataParallel::abandonStep() { return impl_->abandonStep(); }
+bool DistributedDataParallel::lastStepAbandoned() { return impl_->lastStepAbandoned(); }
+void DistributedDataParallel::putBackStepBuffers() { impl_->putBackStepBuffers(); }
 
-bool DdpAccess::abandonStep(DistributedDataParallel& ddp) { return ddp.impl_->abandonStep(); }
-bool DdpAccess::lastStepAbandoned(DistributedDataParallel& ddp) {
-  return ddp.impl_->lastStepAbandoned();
-}
-void DdpAccess::putBackStepBuffers(DistributedDataParallel& ddp) {
-  ddp.impl_->putBackStepBuffers();
-}
-std::vector<std::string> DdpAccess::bucketOrder(const DistributedDataParallel& ddp) {
+std::vector<std::string> DistributedDataParallel::bucketOrder() const {
   std::vector<std::string> names;
-  for (const auto& bucket : ddp.impl_->layout()) {
+  for (const auto& bucket : impl_->layout()) {
     names.insert(names.end(), bucket.begin(), bucket.end());
   }
   return names;
 }
 
-bool DdpAccess::adoptBucketOrder(DistributedDataParallel& ddp,
-                                 const std::vector<std::string>& names) {
-  auto& impl = *ddp.impl_;
+bool DistributedDataParallel::setBucketOrder(const std::vector<std::string>& names) {
+  auto& impl = *impl_;
+  HDDP_CHECK_AS(ConfigError, !impl.stepActive_,
+                "setBucketOrder: a step is under way (its backward began sending gradients and "
+                "it was neither finished nor abandoned); call it between steps, on every rank");
   std::unordered_map<std::string, int> index;
   for (size_t i = 0; i < impl.params_.size(); ++i) {
     index.emplace(impl.params_[i].name, static_cast<int>(i));
@@ -124,10 +121,8 @@ bool DdpAccess::adoptBucketOrder(DistributedDataParallel& ddp,
   return true;
 }
 
-const std::vector<BucketTiming>& DdpAccess::bucketTimes(const DistributedDataParallel& ddp) {
-  return ddp.impl_->bucketTimes_;
+const std::vector<BucketTiming>& DistributedDataParallel::lastStepBucketTimes() const {
+  return impl_->bucketTimes_;
 }
-
-}  // namespace detail
 
 }  // namespace hddp

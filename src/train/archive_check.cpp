@@ -10,6 +10,7 @@
 #include <sstream>
 #include <vector>
 
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "train/torch_pickle.h"
 
@@ -224,8 +225,10 @@ void checkTorchArchive(const std::string& bytes, const std::string& what) {
   } catch (const StateError&) {
     throw;
   } catch (const c10::Error& e) {  // the zip reader's own complaints
+    rethrowIfOutOfMemory();        // but memory is no fault of the file's
     HDDP_THROW(StateError, what, " holds no readable archive (", e.what_without_backtrace(), ")");
   } catch (const std::exception& e) {
+    rethrowIfOutOfMemory();
     HDDP_THROW(StateError, what, " holds no readable archive (", e.what(), ")");
   }
 }

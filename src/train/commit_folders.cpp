@@ -172,14 +172,12 @@ ChosenCommit chooseCommit(Communicator& comm, const FolderGroups& groups,
           found.id = id;
           found.found = 1;
           scanned = std::move(payload);
-        } catch (const c10::OutOfMemoryError&) {  // no verdict on the file: reported below
-          throw;
-        } catch (const std::bad_alloc&) {
-          throw;
-        } catch (const std::exception& e) {  // a damaged file, or one `accept` cannot read
-          const auto* error = dynamic_cast<const c10::Error*>(&e);
-          HDDP_LOG_WARN("train", "skipping ", *it, ": ",
-                        error ? error->what_without_backtrace() : e.what());
+        } catch (const std::exception&) {  // a damaged file, or one `accept` cannot read
+          const RankOutcome failure = currentFailure();
+          if (failure.failure == FailureKind::OutOfMemory) {
+            throw;  // no verdict on the file (host memory too): reported below
+          }
+          HDDP_LOG_WARN("train", "skipping ", *it, ": ", failure.message);
         }
       }
       const size_t refused = static_cast<size_t>(found.refused);

@@ -86,6 +86,7 @@ void asModelOrOptimizerError(const std::string& path, Work&& work) {
   } catch (const c10::AcceleratorError&) {
     throw;
   } catch (const c10::Error& e) {
+    rethrowIfOutOfMemory();  // LibTorch's CPU allocator's: host memory, not the file
     HDDP_THROW(StateError, "state file ", path,
                " does not fit this model or optimizer: ", e.what_without_backtrace());
   }
@@ -115,8 +116,9 @@ OwnPart readOwnPart(const StateParts& parts, InputArchive& file, const std::vect
     own.cpuRng = readTensor(mine, "cpu_rng", path);
     // Checked on a generator of its own: what LibTorch refuses fails before any change.
     setGeneratorState(at::detail::createCPUGenerator(), own.cpuRng);
-    if (parts.device.type() != c10::kCPU) {
-      mine.try_read("device_rng", own.deviceRng);
+    if (parts.device.type() != c10::kCPU && mine.try_read("device_rng", own.deviceRng)) {
+      setGeneratorState(at::globalContext().defaultGenerator(parts.device).clone(),
+                        own.deviceRng);  // on a copy of the device's generator
     }
     if (parts.planner && hasPlanner) {
       readArchive(mine, "planner", own.planner, path);
@@ -124,6 +126,14 @@ OwnPart readOwnPart(const StateParts& parts, InputArchive& file, const std::vect
   }
   if (parts.powerSgd || parts.adoptCompression) {
     readPowerSgd(own, mine);
+    if (own.hasPowerSgd) try {  // checked on a state of its own: nothing changes yet
+        PowerSgdState().loadStateDict(own.powerSgd);
+      } catch (const StateError&) {
+        throw;
+      } catch (const Error& e) {
+        HDDP_THROW(StateError, "state file ", path,
+                   ": its PowerSGD state: ", e.what_without_backtrace());
+      }
   }
   at::Tensor compression;  // one --compress auto would adopt must parse
   if (parts.adoptCompression && file.try_read("compression", compression)) {
@@ -272,6 +282,7 @@ void readModelAndOptimizer(const StateParts& parts, InputArchive& archive, const
       readArchive(archive, "optimizer", out.optimizer, path);
     }
     readArchive(archive, "scaler", out.scaler, path);
+    GradScaler().load(out.scaler);  // checked on a scaler of its own: nothing changes yet
   });
 }
 

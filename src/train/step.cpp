@@ -7,7 +7,6 @@
 #include <limits>
 #include <optional>
 
-#include "ddp/ddp_access.h"
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
 #include "hddp/core/fault.h"
@@ -63,7 +62,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   if (readStatus || device_.is_cpu()) {
     comm_.synchronize();
   }
-  const bool abandoned = readStatus && detail::DdpAccess::lastStepAbandoned(*ddp_);
+  const bool abandoned = readStatus && ddp_->lastStepAbandoned();
   timer_->endWait();
   if (abandoned) {
     repeatStep(batch, outOfMemory, clock.start);  // the timer's open step is dropped
@@ -124,9 +123,8 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
       c10::getDeviceAllocator(device_.type())->emptyCache();
     }
     const std::string what = e.what_without_backtrace();
-    HDDP_CHECK(detail::DdpAccess::abandonStep(*ddp_), "rank ", comm_.rank(),
-               " ran out of memory after its ", "gradients were sent (", what,
-               "); this cannot be retried");
+    HDDP_CHECK(ddp_->abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
+               "gradients were sent (", what, "); this cannot be retried");
     return what;
   }
   return "";
@@ -190,7 +188,7 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
     // memories were left as they were at decompression). Every rank skips together, and
     // the restore is local, so SyncBatchNorm's equal statistics stay equal.
     rollback_->restore();
-    detail::DdpAccess::putBackStepBuffers(*ddp_);  // and their weight in the next sync
+    ddp_->putBackStepBuffers();  // and their weight in the next sync
   }
   scaler_->update();
   timer_->stop();  // on a device: an event after the optimizer's kernels, read later
@@ -216,7 +214,7 @@ void Trainer::Impl::measureMemory(int64_t local) {
 // one on the host clock, usually the previous one with device events. Returns the
 // newest compute seconds (0: none yet).
 double Trainer::Impl::measureAndReplan() {
-  for (const auto& bucket : detail::DdpAccess::bucketTimes(*ddp_)) {
+  for (const auto& bucket : ddp_->lastStepBucketTimes()) {
     timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,
                   bucket.bytes);
   }

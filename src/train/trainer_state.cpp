@@ -11,7 +11,6 @@
 #include <sstream>
 #include <vector>
 
-#include "ddp/ddp_access.h"
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/compression_model.h"
 #include "hddp/balance/planner.h"
@@ -19,6 +18,7 @@
 #include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/train/state_file.h"
@@ -55,9 +55,11 @@ void loadArchive(InputArchive& into, const std::string& bytes, const std::string
   try {
     into.load_from(bytes.data(), bytes.size(), device);
   } catch (const c10::Error& e) {
+    rethrowIfOutOfMemory();  // host memory for the storages: not the file's fault
     HDDP_THROW(StateError, what, " holds no readable archive (", e.what_without_backtrace(),
                "); resume from an earlier state file");
   } catch (const std::exception& e) {  // TorchScript's parser throws std::runtime_error
+    rethrowIfOutOfMemory();
     HDDP_THROW(StateError, what, " holds no readable archive (", e.what(),
                "); resume from an earlier state file");
   }
@@ -252,7 +254,7 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
       }
       if (parts.ddp) {
         std::string order;
-        for (const auto& name : detail::DdpAccess::bucketOrder(*parts.ddp)) {
+        for (const auto& name : parts.ddp->bucketOrder()) {
           order += name + "\n";
         }
         archive.write("ddp_order", bytesTensor(std::vector<uint8_t>(order.begin(), order.end())));

@@ -5,13 +5,13 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <new>
 #include <sstream>
 #include <vector>
 
-#include "ddp/ddp_access.h"
 #include "hddp/amp/grad_scaler.h"
 #include "hddp/balance/compression_model.h"
 #include "hddp/balance/planner.h"
@@ -19,6 +19,7 @@
 #include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "hddp/core/logging.h"
+#include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/ddp/sharded_optimizer.h"
 #include "hddp/train/state_file.h"
@@ -127,6 +128,16 @@ StateParts adoptSavedCompression(const StateParts& parts, InputArchive& file,
   return out;
 }
 
+// The id every writer of one commit wrote into its copy; a file without one (an older
+// hddp's) is told by its bytes.
+uint64_t commitIdIn(InputArchive& file, const std::string& bytes) {
+  at::Tensor id;
+  if (file.try_read("commit_id", id) && id.numel() == 1 && id.scalar_type() == at::kLong) {
+    return static_cast<uint64_t>(id.item<int64_t>());
+  }
+  return crc32Of(bytes.data(), bytes.size());
+}
+
 }  // namespace
 
 LoadedState loadState(const StateParts& parts, const std::string& fileOrDirectory,
@@ -160,11 +171,7 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     const auto commitId = [](const std::string& bytes) -> uint64_t {
       InputArchive file;
       loadArchive(file, bytes, "state file", c10::Device(c10::kCPU));
-      at::Tensor id;
-      if (file.try_read("commit_id", id) && id.numel() == 1 && id.scalar_type() == at::kLong) {
-        return static_cast<uint64_t>(id.item<int64_t>());
-      }
-      return crc32Of(bytes.data(), bytes.size());
+      return commitIdIn(file, bytes);
     };
     ChosenCommit chosen = chooseCommit(parts.comm, groups, ofThisJob, options.keep, commitId);
     loaded.path = chosen.path;
@@ -210,6 +217,20 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     // Every saved rank's part is there and readable, whichever this rank continues.
     members = savedMembers(archive, loaded.meta.worldSize, path);
   });
+  // Every rank read its own copy where the file was named (a node-local disk each): the
+  // copies must be one commit, or the ranks would load different models, and what follows
+  // (whether the planner's step runs) would differ from rank to rank.
+  const std::array<uint64_t, 2> read{commitIdIn(archive, payload), hasPlanner ? 1u : 0u};
+  const auto all = allgatherValue(parts.comm, read);
+  for (size_t r = 1; r < all.size(); ++r) {
+    HDDP_CHECK_AS(StateError, all[r] == all[0], "rank ", r, " read another state file at ", path,
+                  " than rank 0 (commit ", all[r][0], all[r][1] ? " with" : " without",
+                  " a planner part, where rank 0's is ", all[0][0],
+                  all[0][1] ? " with one" : " without one",
+                  "): every rank must resume from the same file. Put it where every rank "
+                  "reads the same bytes (a shared filesystem), or copy one file to every "
+                  "node");
+  }
   const StateMeta& meta = loaded.meta;
   if (parts.planner && !hasPlanner) {
     HDDP_LOG_SHARED("train", parts.comm.rank(), path,
@@ -259,7 +280,7 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
       for (std::string name; std::getline(lines, name);) {
         names.push_back(name);
       }
-      if (!detail::DdpAccess::adoptBucketOrder(*parts.ddp, names)) {
+      if (!parts.ddp->setBucketOrder(names)) {
         // PowerSGD's memories are per parameter: they still fit where the shapes do.
         HDDP_LOG_SHARED("train", parts.comm.rank(), path,
                         ": its bucket order does not name this model's parameters; DDP keeps "

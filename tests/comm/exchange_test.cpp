@@ -254,4 +254,48 @@ TEST(Exchange, OutcomesFromAnotherBuildAreRefusedNamingTheRank) {
   });
 }
 
+// LibTorch's CPU allocator reports a failed allocation as a plain c10::Error: it is out
+// of memory all the same, so a state file's reader does not call a good file damaged
+// (and the commit folders do not pass over the newest commit for an older one).
+TEST(Exchange, LibTorchsFailedHostAllocationIsOutOfMemory) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer ends the process at an allocation of a petabyte";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  GTEST_SKIP() << "AddressSanitizer ends the process at an allocation of a petabyte";
+#endif
+#endif
+  hddp::RankOutcome said;
+  try {
+    at::empty({int64_t{1} << 50}, at::kByte);  // a petabyte: posix_memalign says ENOMEM
+    FAIL() << "a petabyte was allocated";
+  } catch (...) {
+    said = hddp::currentFailure();
+  }
+  EXPECT_EQ(said.failure, hddp::FailureKind::OutOfMemory) << said.message;
+  EXPECT_NE(said.message.find("can't allocate memory"), std::string::npos) << said.message;
+  try {
+    try {
+      at::empty({int64_t{1} << 50}, at::kByte);
+    } catch (const c10::Error&) {
+      hddp::rethrowIfOutOfMemory();
+      FAIL() << "not rethrown";
+    }
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("DefaultCPUAllocator"),
+              std::string::npos);
+  }
+  try {
+    try {
+      TORCH_CHECK(false, "a damaged file");
+    } catch (const c10::Error&) {
+      hddp::rethrowIfOutOfMemory();  // not memory: goes on
+      said = hddp::currentFailure();
+    }
+  } catch (...) {
+    FAIL() << "rethrown though not out of memory";
+  }
+  EXPECT_EQ(said.failure, hddp::FailureKind::Foreign);
+}
+
 }  // namespace

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <sstream>
 
 #include "hddp/comm/communicator.h"
@@ -321,3 +323,55 @@ TEST(DdpHardening, AnErrorAtTheEndOfBackwardReachesTheCaller) {
 }
 
 }  // namespace
+
+// Out of memory after the step's collectives ended (here in a hook's finish, as in
+// PowerSGD's decompression or a gradient's copy) cannot be answered by abandoning the
+// step: the peers have their sums and have gone on, and sending the buckets again would
+// pair this rank's repeat with their next step. It is a DistributedError, and
+// abandonStep() says it came too late and sends nothing (the check allreduce below would
+// otherwise meet a bucket's allreduce).
+TEST(Ddp, OutOfMemoryAfterTheStepsCollectivesIsADistributedErrorNotAnAbandonedStep) {
+  runThreads(2, [](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions c;
+    c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
+    auto comm = hddp::makeCommunicator(store, rank, size, c);
+    auto net = makeNet();
+    hddp::DdpOptions options;
+    auto steps = std::make_shared<int>(0);
+    options.commHook = [rank, steps](hddp::Communicator& c, hddp::GradBucket& bucket) {
+      hddp::CommHookResult result;
+      result.work = c.allreduce(bucket.buffer);
+      result.finish = [rank, steps] {
+        // The second step: the first's end rebuilds the buckets (a broadcast) after finish.
+        TORCH_CHECK_WITH(OutOfMemoryError, ++*steps < 2 || rank != 1,
+                         "test: out of memory in finish");
+      };
+      return result;
+    };
+    hddp::DistributedDataParallel ddp(net, *comm, options);
+    torch::manual_seed(rank);
+    ddp.setBatch(4, 8);
+    net->forward(torch::randn({4, 6})).sum().backward();
+    ddp.setBatch(4, 8);
+    auto loss = net->forward(torch::randn({4, 6})).sum();
+    if (rank == 1) {
+      try {
+        loss.backward();
+        ADD_FAILURE() << "backward did not throw";
+      } catch (const c10::OutOfMemoryError& e) {
+        ADD_FAILURE() << "an out-of-memory error, which a caller answers by abandoning: "
+                      << e.what_without_backtrace();
+      } catch (const hddp::DistributedError& e) {
+        EXPECT_NE(std::string(e.what()).find("can be neither abandoned nor repeated"),
+                  std::string::npos)
+            << e.what();
+      }
+      EXPECT_FALSE(ddp.abandonStep()) << "too late: the step's collectives ended";
+    } else {
+      loss.backward();
+    }
+    auto check = torch::full({1}, static_cast<double>(rank + 1), torch::kFloat64);
+    comm->allreduce(check).wait();
+    EXPECT_EQ(check.item<double>(), 3.0) << "rank " << rank;
+  });
+}

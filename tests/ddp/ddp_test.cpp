@@ -8,7 +8,6 @@
 #include <numeric>
 #include <random>
 
-#include "ddp/ddp_access.h"  // the Trainer's access to an abandoned step
 #include "hddp/comm/communicator.h"
 #include "hddp/core/error.h"
 #include "hddp/ddp/distributed_data_parallel.h"
@@ -600,9 +599,9 @@ TEST_P(Abandon, EveryRankSeesItAndTheRepeatedStepIsExact) {
         torch::cross_entropy_loss(model->fc3(h), y).backward();
       } catch (const c10::OutOfMemoryError&) {
         EXPECT_EQ(rank, failing);
-        EXPECT_TRUE(hddp::detail::DdpAccess::abandonStep(ddp));
+        EXPECT_TRUE(ddp.abandonStep());
       }
-      const bool gone = hddp::detail::DdpAccess::lastStepAbandoned(ddp);
+      const bool gone = ddp.lastStepAbandoned();
       if (!gone) {
         opt.step();
       }
@@ -664,9 +663,9 @@ TEST(Ddp, ABucketWhoseHookThrewIsSentAtTheStepsEndAndNoRankHangs) {
       EXPECT_EQ(rank, 0);
     } catch (const std::exception& e) {
       EXPECT_EQ(rank, 1) << e.what();
-      EXPECT_TRUE(hddp::detail::DdpAccess::abandonStep(ddp));
+      EXPECT_TRUE(ddp.abandonStep());
     }
-    abandoned[rank] = hddp::detail::DdpAccess::lastStepAbandoned(ddp) ? 1 : 0;
+    abandoned[rank] = ddp.lastStepAbandoned() ? 1 : 0;
   });
   EXPECT_EQ(abandoned, (std::vector<int>{1, 1}));
 }

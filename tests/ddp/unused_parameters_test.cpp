@@ -12,7 +12,6 @@
 #include <optional>
 #include <string>
 
-#include "ddp/ddp_access.h"  // the Trainer's access to an abandoned step
 #include "hddp/comm/communicator.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/sharded_optimizer.h"
@@ -286,14 +285,14 @@ TEST(Ddp, AnAbandonedStepCopiesNoGradientOfAnUnusedParameter_Emu) {
         // Out of memory before the backward: abandon, and count what that allocates.
         auto* allocator = c10::getDeviceAllocator(device.type());
         allocator->resetAccumulatedStats(device.index());
-        ASSERT_TRUE(hddp::detail::DdpAccess::abandonStep(ddp));
+        ASSERT_TRUE(ddp.abandonStep());
         const auto stats = allocator->getDeviceStats(device.index());
         copied[1] = stats.allocated_bytes[0].allocated;
       } else {
         torch::cross_entropy_loss(net->head(x), torch::zeros({4}, torch::kLong).to(device))
             .backward();
       }
-      const bool abandoned = hddp::detail::DdpAccess::lastStepAbandoned(ddp);
+      const bool abandoned = ddp.lastStepAbandoned();
       EXPECT_EQ(abandoned, step == 1) << "rank " << rank << ", step " << step;
       if (!abandoned) {
         sgd.step();

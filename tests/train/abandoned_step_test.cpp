@@ -15,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "ddp/ddp_access.h"
 #include "hddp/comm/communicator.h"
 #include "hddp/data/datasets.h"
 #include "hddp/ddp/distributed_data_parallel.h"
@@ -281,7 +280,7 @@ TEST(StepRollback, ASkippedStepsBuffersLeaveTheNextSyncsWeightsToo) {
         model->forward(x).sum().backward();
         if (step == 1) {  // skipped (as every rank does on an overflow)
           rollback.restore();
-          hddp::detail::DdpAccess::putBackStepBuffers(ddp);
+          ddp.putBackStepBuffers();
         } else {
           weights[static_cast<size_t>(rank)] += static_cast<double>(local) / kGlobal;
         }

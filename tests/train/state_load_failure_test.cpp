@@ -97,7 +97,8 @@ std::string savedRun() {
 }
 
 // `from` copied into `to`, entry by entry (archives inside too), `edit` deciding each
-// top-level tensor: it returns the tensor to write, or an undefined one to leave it out.
+// tensor, named by its path ("meta", "scaler/scale"): it returns the tensor to write, or
+// an undefined one to leave it out.
 void copyArchive(torch::serialize::InputArchive& from, torch::serialize::OutputArchive& to,
                  const std::function<at::Tensor(const std::string&, const at::Tensor&)>& edit) {
   for (const auto& key : from.keys()) {
@@ -105,7 +106,9 @@ void copyArchive(torch::serialize::InputArchive& from, torch::serialize::OutputA
     at::Tensor t;
     if (from.try_read(key, inner)) {
       torch::serialize::OutputArchive out;
-      copyArchive(inner, out, [](const std::string&, const at::Tensor& x) { return x; });
+      copyArchive(inner, out, [&edit, &key](const std::string& k, const at::Tensor& x) {
+        return edit(key + "/" + k, x);  // an inner entry by its path: "scaler/scale"
+      });
       to.write(key, out);
     } else if (from.try_read(key, t)) {
       const at::Tensor edited = edit(key, t);
@@ -177,6 +180,35 @@ TEST(StateLoadFailure, AFileMissingARanksPartChangesNothingOnAnyRank) {
   });
   for (const auto& e : errors) {
     EXPECT_NE(e.find("rank2"), std::string::npos) << e;
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{2, 2}));
+}
+
+// A scaler entry missing from the file (found by review: checked only while applied, so
+// the model and RNGs were already changed and the Trainer was left half loaded): refused
+// with a StateError before anything changes, and every rank trains on alike.
+TEST(StateLoadFailure, ADamagedScalerEntryChangesNothingOnAnyRank) {
+  const std::string saved = savedRun();
+  const std::string dir = hddp::testing::makeTempDir();
+  const std::string file = editedStateFile(
+      hddp::listStateFiles(saved).back(), dir, [](const std::string& key, const at::Tensor& t) {
+        return key == "scaler/growth_interval" ? at::Tensor() : t;
+      });
+  std::vector<std::string> errors(2);
+  std::vector<int64_t> steps(2, -1);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    Job job(rank, size, store, "", /*maxSteps=*/2);
+    const auto before = job.parameters();
+    try {
+      job.trainer->load(file);
+    } catch (const hddp::StateError& e) {
+      errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+    }
+    expectSame(before, job.parameters(), "a refused load");
+    steps[static_cast<size_t>(rank)] = job.trainer->fit().totalSteps;  // not half loaded
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("growth_interval"), std::string::npos) << e;
   }
   EXPECT_EQ(steps, (std::vector<int64_t>{2, 2}));
 }

@@ -81,6 +81,8 @@ class GradScaler {
   const GradScalerOptions& options() const { return options_; }
 
   void save(torch::serialize::OutputArchive& archive) const;
+  /// What save() wrote. StateError, with the scaler as it was, when an entry is missing
+  /// or not one number.
   void load(torch::serialize::InputArchive& archive);
 
  private:

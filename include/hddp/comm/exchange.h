@@ -94,7 +94,8 @@ enum class FailureKind : uint8_t {
   Data = 3,         // hddp::DataError
   State = 4,        // hddp::StateError
   Distributed = 5,  // hddp::DistributedError (StoreError, TimeoutError, BackendError)
-  OutOfMemory = 6,  // c10::OutOfMemoryError or std::bad_alloc: no input's fault
+  OutOfMemory = 6,  // c10::OutOfMemoryError, std::bad_alloc, or LibTorch's CPU allocator's
+                    // c10::Error ("DefaultCPUAllocator: can't allocate memory"): no input's fault
   Device = 7,       // c10::AcceleratorError (a device's failure)
   Foreign = 8,      // another c10::Error, std::exception or unknown exception
 };
@@ -119,6 +120,11 @@ struct RankResult : RankOutcome {
 /// The exception being handled (call inside a catch block), as an outcome: its kind and
 /// message.
 RankOutcome currentFailure();
+
+/// Inside a catch block: rethrows the exception being handled when it is running out of
+/// memory (FailureKind::OutOfMemory), so that a handler turning what a reader refused
+/// into "the file is damaged" leaves memory alone (a good file must not be discarded).
+void rethrowIfOutOfMemory();
 
 /// Throws an exception of `kind`'s type with `message` (HDDP_THROW's form; hddp::Error for
 /// Error, OutOfMemory, Device and Foreign: another rank's failure is not this rank's out

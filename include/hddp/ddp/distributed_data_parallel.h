@@ -165,9 +165,14 @@ struct DdpStepStats {
   int unusedParameters = 0;
 };
 
-namespace detail {
-struct DdpAccess;  // the Trainer's access to an abandoned step (internal)
+/// One bucket's allreduce in a step, launch to completion (for timelines).
+struct BucketTiming {
+  std::chrono::steady_clock::time_point launched;
+  std::chrono::steady_clock::time_point completed;
+  int64_t bytes = 0;
+};
 
+namespace detail {
 template <typename T, typename = void>
 struct IsModuleHolder : std::false_type {};
 template <typename T>
@@ -316,10 +321,45 @@ class DistributedDataParallel {
   /// call, before the first step. ConfigError with a comm hook or compression.
   void setGradientOwners(std::vector<int> owners, bool releaseForeign);
 
+  // ---- A step given up, and the buckets' order: what a loop of its own needs to recover
+  // from running out of memory and to resume with the buckets it saved (the Trainer uses
+  // exactly these; docs/ddp.md, "A step given up, and the bucket order").
+
+  /// For a rank that cannot finish its forward or backward in this step (it ran out of
+  /// memory): sends zeros for the gradients it has not sent and marks the step as
+  /// abandoned, so that the step's collectives complete on every rank. Call it after the
+  /// failed forward or backward, instead of finalize(). Returns false when it came too
+  /// late (every gradient was already sent); the step then stands as it is.
+  bool abandonStep();
+  /// True on every rank when some rank abandoned the last synchronized step: its
+  /// gradients are then incomplete and the optimizer step must be skipped on every rank.
+  /// The status travels in the last bucket's allreduce (one extra element), so reading it
+  /// costs no collective; it waits for the device. An abandoned step does not count in
+  /// DDP's step count (which paces DdpOptions::bufferSyncInterval), and its buffers do
+  /// not weigh in the next synchronisation.
+  bool lastStepAbandoned();
+  /// The caller put the buffers back as they were before the last synchronized step's
+  /// forward (a step that every rank skips, e.g. on the GradScaler's overflow): their
+  /// weight in the next synchronisation goes back too. The step still counts (as
+  /// PyTorch's iteration does).
+  void putBackStepBuffers();
+  /// Each bucket's allreduce in the last synchronized step, in launch order.
+  const std::vector<BucketTiming>& lastStepBucketTimes() const;
+  /// The parameters in bucket order (bucketLayout() flattened): what a checkpoint keeps so
+  /// that a resumed run has the buckets of the run it continues (PowerSGD's memories were
+  /// made in them).
+  std::vector<std::string> bucketOrder() const;
+  /// Builds the buckets from `names` (a bucketOrder() of the same model) and keeps them:
+  /// no rebuild after the first step. Call it on every rank with the same names (as read
+  /// from one checkpoint: it is no collective, and ranks with different buckets would send
+  /// different collectives), between steps, best before the first. False, and nothing
+  /// changed, when the names are not exactly the model's parameters (each once);
+  /// ConfigError in the middle of a step.
+  bool setBucketOrder(const std::vector<std::string>& names);
+
   class Impl;
 
  private:
-  friend struct detail::DdpAccess;
   std::unique_ptr<Impl> impl_;
 };
 

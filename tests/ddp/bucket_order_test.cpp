@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -48,15 +49,23 @@ void step(Chain& model, hddp::DistributedDataParallel& ddp, int rank) {
   model->forward(torch::randn({4, 8})).sum().backward();
 }
 
-}  // namespace
-
-TEST(BucketOrder, AnOrderSetOnAFreshDdpIsItsLayoutAndStaysAfterTheFirstStep) {
-  runThreads(2, [](int rank, int size, hddp::Store& store) {
+// `body` on each of `world` ranks with its chain in a DDP of small buckets.
+void onRanks(int world,
+             const std::function<void(int, Chain&, hddp::DistributedDataParallel&)>& body) {
+  runThreads(world, [&body](int rank, int size, hddp::Store& store) {
     hddp::CommunicatorOptions c;
     c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
     auto comm = hddp::makeCommunicator(store, rank, size, c);
     Chain model;
     hddp::DistributedDataParallel ddp(model, *comm, smallBuckets());
+    body(rank, model, ddp);
+  });
+}
+
+}  // namespace
+
+TEST(BucketOrder, AnOrderSetOnAFreshDdpIsItsLayoutAndStaysAfterTheFirstStep) {
+  onRanks(2, [](int rank, Chain& model, hddp::DistributedDataParallel& ddp) {
     std::vector<std::string> order = ddp.bucketOrder();
     ASSERT_EQ(order.size(), 8u);
     ASSERT_GT(ddp.bucketLayout().size(), 1u);
@@ -76,12 +85,7 @@ TEST(BucketOrder, AnOrderSetOnAFreshDdpIsItsLayoutAndStaysAfterTheFirstStep) {
 }
 
 TEST(BucketOrder, NamesThatAreNotTheModelsParametersChangeNothing) {
-  runThreads(1, [](int rank, int size, hddp::Store& store) {
-    hddp::CommunicatorOptions c;
-    c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
-    auto comm = hddp::makeCommunicator(store, rank, size, c);
-    Chain model;
-    hddp::DistributedDataParallel ddp(model, *comm, smallBuckets());
+  onRanks(1, [](int, Chain&, hddp::DistributedDataParallel& ddp) {
     const auto layout = ddp.bucketLayout();
     std::vector<std::string> names = ddp.parameterNames();
     std::vector<std::string> missing(names.begin(), names.end() - 1);
@@ -99,12 +103,7 @@ TEST(BucketOrder, NamesThatAreNotTheModelsParametersChangeNothing) {
 // A backward that failed part-way (out of memory, say) leaves the step under way, some
 // buckets sent: new buckets then would send other collectives than the peers'.
 TEST(BucketOrder, IsRefusedWhileAStepIsUnderWay) {
-  runThreads(1, [](int rank, int size, hddp::Store& store) {
-    hddp::CommunicatorOptions c;
-    c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
-    auto comm = hddp::makeCommunicator(store, rank, size, c);
-    Chain model;
-    hddp::DistributedDataParallel ddp(model, *comm, smallBuckets());
+  onRanks(1, [](int, Chain& model, hddp::DistributedDataParallel& ddp) {
     const auto names = ddp.parameterNames();
     ddp.setBatch(4, 4);
     EXPECT_TRUE(ddp.setBucketOrder(names)) << "setBatch() alone sends nothing";

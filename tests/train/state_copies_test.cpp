@@ -15,6 +15,7 @@
 #include <string>
 
 #include "hddp/hddp.h"
+#include "support/mlp_job.h"
 #include "support/ranks.h"
 
 namespace fs = std::filesystem;
@@ -23,42 +24,7 @@ using hddp::testing::runThreads;
 
 namespace {
 
-// One rank's job: a small MLP on 40 samples, batch 8, the planner on.
-struct Job {
-  std::unique_ptr<hddp::Communicator> comm;
-  torch::nn::Sequential net;
-  std::unique_ptr<torch::optim::SGD> optimizer;
-  std::unique_ptr<hddp::Trainer> trainer;
-
-  Job(int rank, int size, hddp::Store& store, const std::string& saveDir, int64_t maxSteps) {
-    hddp::CommunicatorOptions c;
-    c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
-    comm = hddp::makeCommunicator(store, rank, size, c);
-    static std::mutex initialising;  // threads drawing from one generator
-    {
-      std::lock_guard<std::mutex> lock(initialising);
-      torch::manual_seed(3);
-      net = torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(4, 8), torch::nn::Tanh(),
-                                  torch::nn::Linear(8, 3));
-    }
-    optimizer = std::make_unique<torch::optim::SGD>(net->parameters(),
-                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
-    hddp::TrainerOptions o;
-    o.globalBatch = 8;
-    o.epochs = 2;
-    o.maxSteps = maxSteps;
-    o.balance = true;
-    o.seedPlan = false;
-    o.progress = hddp::ProgressMode::Off;
-    o.loader.workers = 0;
-    o.saveDir = saveDir;
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(40, 1, 2, 3, /*seed=*/5);
-    auto model = net;
-    trainer = std::make_unique<hddp::Trainer>(
-        *comm, net.ptr(), [model](const torch::Tensor& x) mutable { return model->forward(x); },
-        hddp::crossEntropy(), *optimizer, ds, o);
-  }
-};
+using Job = hddp::testing::MlpJob<>;  // tests/support/mlp_job.h
 
 // The newest state file of a two-rank run of `steps` steps.
 fs::path savedFile(int64_t steps) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "hddp/hddp.h"
+#include "support/mlp_job.h"
 #include "support/ranks.h"
 #include "train/commit_folders.h"
 #include "train/state_file_seam.h"
@@ -41,50 +42,8 @@ class InjectingSgd : public torch::optim::SGD {
   }
 };
 
-// One rank's job: a small MLP on 40 samples of 4 features, batch 8, SGD with momentum.
-struct Job {
-  std::unique_ptr<hddp::Communicator> comm;
-  torch::nn::Sequential net;
-  std::unique_ptr<InjectingSgd> optimizer;
-  std::unique_ptr<hddp::Trainer> trainer;
-
-  Job(int rank, int size, hddp::Store& store, const std::string& saveDir, int64_t maxSteps) {
-    hddp::CommunicatorOptions c;
-    c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
-    comm = hddp::makeCommunicator(store, rank, size, c);
-    static std::mutex initialising;  // the ranks are threads drawing from one generator
-    {
-      std::lock_guard<std::mutex> lock(initialising);
-      torch::manual_seed(3);
-      net = torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(4, 8), torch::nn::Tanh(),
-                                  torch::nn::Linear(8, 3));
-    }
-    optimizer = std::make_unique<InjectingSgd>(net->parameters(),
-                                               torch::optim::SGDOptions(0.1).momentum(0.9));
-    hddp::TrainerOptions o;
-    o.globalBatch = 8;
-    o.epochs = 2;
-    o.maxSteps = maxSteps;
-    o.balance = true;
-    o.seedPlan = false;
-    o.progress = hddp::ProgressMode::Off;
-    o.loader.workers = 0;
-    o.saveDir = saveDir;
-    auto ds = std::make_shared<hddp::SyntheticClassificationDataset>(40, 1, 2, 3, /*seed=*/5);
-    auto model = net;
-    trainer = std::make_unique<hddp::Trainer>(
-        *comm, net.ptr(), [model](const torch::Tensor& x) mutable { return model->forward(x); },
-        hddp::crossEntropy(), *optimizer, ds, o);
-  }
-
-  std::vector<at::Tensor> parameters() const {
-    std::vector<at::Tensor> out;
-    for (const auto& p : net->parameters()) {
-      out.push_back(p.detach().clone());
-    }
-    return out;
-  }
-};
+// One rank's job (tests/support/mlp_job.h), its optimizer instrumented.
+using Job = hddp::testing::MlpJob<InjectingSgd>;
 
 // A folder holding the state file of step 3 of a two-rank run (with the planner).
 std::string savedRun() {
@@ -147,6 +106,29 @@ void expectSame(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>&
   }
 }
 
+// Two ranks load `file`: each is refused with a StateError that names `named`, keeps its
+// parameters and step, and then trains its 2 steps, alike (nothing half loaded).
+void expectRefusedAndUnchangedOnEveryRank(const std::string& file, const std::string& named) {
+  std::vector<std::string> errors(2);
+  std::vector<int64_t> steps(2, -1);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    Job job(rank, size, store, "", /*maxSteps=*/2);
+    const auto before = job.parameters();
+    try {
+      job.trainer->load(file);
+    } catch (const hddp::StateError& e) {
+      errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
+    }
+    expectSame(before, job.parameters(), "a refused load");
+    EXPECT_EQ(job.trainer->step(), 0);
+    steps[static_cast<size_t>(rank)] = job.trainer->fit().totalSteps;  // goes on, alike
+  });
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find(named), std::string::npos) << e;
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{2, 2}));
+}
+
 }  // namespace
 
 // A file that names 4 saving ranks but holds the parts of 2: refused on every rank with a
@@ -164,24 +146,7 @@ TEST(StateLoadFailure, AFileMissingARanksPartChangesNothingOnAnyRank) {
         meta[4] = 4;  // worldSize: parts rank2 and rank3 are missing
         return meta;
       });
-  std::vector<std::string> errors(2);
-  std::vector<int64_t> steps(2, -1);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    Job job(rank, size, store, "", /*maxSteps=*/2);
-    const auto before = job.parameters();
-    try {
-      job.trainer->load(file);
-    } catch (const hddp::StateError& e) {
-      errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
-    }
-    expectSame(before, job.parameters(), "a refused load");
-    EXPECT_EQ(job.trainer->step(), 0);
-    steps[static_cast<size_t>(rank)] = job.trainer->fit().totalSteps;  // goes on, alike
-  });
-  for (const auto& e : errors) {
-    EXPECT_NE(e.find("rank2"), std::string::npos) << e;
-  }
-  EXPECT_EQ(steps, (std::vector<int64_t>{2, 2}));
+  expectRefusedAndUnchangedOnEveryRank(file, "rank2");
 }
 
 // A scaler entry missing from the file (found by review: checked only while applied, so
@@ -194,23 +159,7 @@ TEST(StateLoadFailure, ADamagedScalerEntryChangesNothingOnAnyRank) {
       hddp::listStateFiles(saved).back(), dir, [](const std::string& key, const at::Tensor& t) {
         return key == "scaler/growth_interval" ? at::Tensor() : t;
       });
-  std::vector<std::string> errors(2);
-  std::vector<int64_t> steps(2, -1);
-  runThreads(2, [&](int rank, int size, hddp::Store& store) {
-    Job job(rank, size, store, "", /*maxSteps=*/2);
-    const auto before = job.parameters();
-    try {
-      job.trainer->load(file);
-    } catch (const hddp::StateError& e) {
-      errors[static_cast<size_t>(rank)] = e.what_without_backtrace();
-    }
-    expectSame(before, job.parameters(), "a refused load");
-    steps[static_cast<size_t>(rank)] = job.trainer->fit().totalSteps;  // not half loaded
-  });
-  for (const auto& e : errors) {
-    EXPECT_NE(e.find("growth_interval"), std::string::npos) << e;
-  }
-  EXPECT_EQ(steps, (std::vector<int64_t>{2, 2}));
+  expectRefusedAndUnchangedOnEveryRank(file, "growth_interval");
 }
 
 // The optimizer's own load refuses its entries on rank 1 only, after the model was copied

@@ -4,6 +4,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <cmath>
 #include <limits>
 #include <map>
 #include <set>
@@ -223,10 +224,24 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   loaded.backoffFactor = read("backoff_factor").item<double>();
   loaded.growthInterval = read("growth_interval").item<int64_t>();
   loaded.enabled = read("enabled").item<int64_t>() != 0;
-  options_ = loaded;
+  // What the constructor requires of its options, and a scale a float holds.
+  HDDP_CHECK_AS(StateError,
+                std::isfinite(scale) && scale > 0 && scale <= std::numeric_limits<float>::max(),
+                "GradScaler state: 'scale' is ", scale, ", not a positive float");
+  HDDP_CHECK_AS(StateError, loaded.growthFactor > 1.0, "GradScaler state: 'growth_factor' is ",
+                loaded.growthFactor, ", not > 1");
+  HDDP_CHECK_AS(StateError, loaded.backoffFactor > 0 && loaded.backoffFactor < 1.0,
+                "GradScaler state: 'backoff_factor' is ", loaded.backoffFactor, ", not in (0, 1)");
+  HDDP_CHECK_AS(StateError, loaded.growthInterval > 0, "GradScaler state: 'growth_interval' is ",
+                loaded.growthInterval, ", not positive");
   const at::Device device = scale_.defined() ? scale_.device() : at::Device(at::kCPU);
-  scale_ = at::full({1}, scale, at::TensorOptions().dtype(at::kFloat).device(device));
-  growthTracker_ = at::full({1}, tracker, at::TensorOptions().dtype(at::kInt).device(device));
+  at::Tensor newScale = at::full({1}, scale, at::TensorOptions().dtype(at::kFloat).device(device));
+  at::Tensor newTracker =
+      at::full({1}, tracker, at::TensorOptions().dtype(at::kInt).device(device));
+  // Nothing below allocates or throws.
+  options_ = loaded;
+  scale_ = std::move(newScale);
+  growthTracker_ = std::move(newTracker);
   perOptimizer_.clear();
 }
 

@@ -32,9 +32,10 @@ void DistributedDataParallel::Impl::finalize() {
     HDDP_THROW(DistributedError, "rank ", comm_.rank(),
                " ran out of memory after the step's collectives were sent (",
                e.what_without_backtrace(),
-               "); the step can be neither abandoned nor repeated, as the other ranks have "
-               "gone on. Resume from the last checkpoint with a smaller share on this rank "
-               "(--max-local-batch)");
+               "); the step can be neither abandoned nor repeated: the other ranks have their "
+               "sums and go on without it, into collectives this rank will not send (they "
+               "fail at their timeout). Resume from the last checkpoint with a smaller share "
+               "on this rank (--max-local-batch)");
   }
 }
 
@@ -295,6 +296,11 @@ bool DistributedDataParallel::Impl::abandonStep() {
     beginStep();
   }
   if (nextBucket_ >= static_cast<int>(buckets_.size()) && !buckets_.empty()) {
+    // Too late: every bucket went out (the backward failed after its last gradient, e.g.
+    // in a node past the parameters). The step stands: finish it as backward's end would
+    // have (the used map, the second rounds, the gradients), so that the peers' remaining
+    // collectives are matched and this rank holds the same sums as they do.
+    finalize();
     return false;
   }
   abandoning_ = true;

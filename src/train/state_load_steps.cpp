@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <mutex>
 #include <new>
 #include <sstream>
 #include <string>
@@ -117,8 +118,13 @@ OwnPart readOwnPart(const StateParts& parts, InputArchive& file, const std::vect
     // Checked on a generator of its own: what LibTorch refuses fails before any change.
     setGeneratorState(at::detail::createCPUGenerator(), own.cpuRng);
     if (parts.device.type() != c10::kCPU && mine.try_read("device_rng", own.deviceRng)) {
-      setGeneratorState(at::globalContext().defaultGenerator(parts.device).clone(),
-                        own.deviceRng);  // on a copy of the device's generator
+      at::Generator device = at::globalContext().defaultGenerator(parts.device);  // shared
+      at::Generator copy;
+      {
+        std::lock_guard<std::mutex> lock(device.mutex());
+        copy = device.clone();
+      }
+      setGeneratorState(copy, own.deviceRng);  // on a copy of the device's generator
     }
     if (parts.planner && hasPlanner) {
       readArchive(mine, "planner", own.planner, path);

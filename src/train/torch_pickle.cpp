@@ -27,6 +27,7 @@
 #include <memory>
 #include <sstream>
 
+#include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
 #include "train/pickle_reader.h"
 
@@ -198,6 +199,7 @@ std::vector<std::pair<std::string, at::Tensor>> torchLoadBytes(const std::string
   } catch (const StateError&) {
     throw;
   } catch (const c10::Error& e) {  // the zip reader's own complaints
+    rethrowIfOutOfMemory();        // but host memory is no fault of the file's
     HDDP_THROW(StateError, "state dict ", path,
                " is not a readable torch.save file: ", e.what_without_backtrace());
   }

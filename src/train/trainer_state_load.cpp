@@ -128,14 +128,20 @@ StateParts adoptSavedCompression(const StateParts& parts, InputArchive& file,
   return out;
 }
 
-// The id every writer of one commit wrote into its copy; a file without one (an older
-// hddp's) is told by its bytes.
-uint64_t commitIdIn(InputArchive& file, const std::string& bytes) {
+// The id every writer of one commit wrote into its copy; 0 in a file without one (an
+// older hddp's, whose writers' copies of one commit differ in their clocks).
+uint64_t savedCommitId(InputArchive& file) {
   at::Tensor id;
   if (file.try_read("commit_id", id) && id.numel() == 1 && id.scalar_type() == at::kLong) {
     return static_cast<uint64_t>(id.item<int64_t>());
   }
-  return crc32Of(bytes.data(), bytes.size());
+  return 0;
+}
+
+// savedCommitId, or for a file without one its bytes' CRC: what tells commits apart.
+uint64_t commitIdIn(InputArchive& file, const std::string& bytes) {
+  const uint64_t id = savedCommitId(file);
+  return id != 0 ? id : crc32Of(bytes.data(), bytes.size());
 }
 
 }  // namespace
@@ -189,6 +195,7 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   SharedPart shared;
   InputArchive plannerShared;
   bool hasPlanner = false;
+  uint64_t readId = 0;           // the commit this rank read (0: a file without an id)
   std::vector<int64_t> members;  // who saved each rank's part
   agreeLoadStep(parts.comm, path, [&] {
     if (payload.empty()) try {
@@ -214,16 +221,23 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     readModelAndOptimizer(parts, archive, path, shared);
     loaded.sampler = DistributedSampler::State::load(archive);
     hasPlanner = parts.planner && archive.try_read("planner", plannerShared);
+    readId = savedCommitId(archive);
     // Every saved rank's part is there and readable, whichever this rank continues.
     members = savedMembers(archive, loaded.meta.worldSize, path);
   });
   // Every rank read its own copy where the file was named (a node-local disk each): the
   // copies must be one commit, or the ranks would load different models, and what follows
-  // (whether the planner's step runs) would differ from rank to rank.
-  const std::array<uint64_t, 2> read{commitIdIn(archive, payload), hasPlanner ? 1u : 0u};
+  // (whether the planner's step runs) would differ from rank to rank. Files of an hddp
+  // that wrote no commit id (every rank's 0) are told apart by the planner part only.
+  const std::array<uint64_t, 2> read{readId, hasPlanner ? 1u : 0u};
   const auto all = allgatherValue(parts.comm, read);
+  bool anyId = false;
+  for (const auto& said : all) {
+    anyId = anyId || said[0] != 0;
+  }
   for (size_t r = 1; r < all.size(); ++r) {
-    HDDP_CHECK_AS(StateError, all[r] == all[0], "rank ", r, " read another state file at ", path,
+    const bool same = all[r][1] == all[0][1] && (!anyId || all[r][0] == all[0][0]);
+    HDDP_CHECK_AS(StateError, same, "rank ", r, " read another state file at ", path,
                   " than rank 0 (commit ", all[r][0], all[r][1] ? " with" : " without",
                   " a planner part, where rank 0's is ", all[0][0],
                   all[0][1] ? " with one" : " without one",

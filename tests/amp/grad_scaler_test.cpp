@@ -4,6 +4,11 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "hddp/core/autocast.h"
 #include "hddp/core/error.h"
@@ -148,6 +153,57 @@ TEST(GradScaler, WithDdpAndBf16AutocastTrainsAndStateRoundTrips) {
     EXPECT_EQ(restored.currentScale(), scaler.currentScale());
     EXPECT_EQ(restored.growthTracker(), scaler.growthTracker());
   });
+}
+
+// A saved state with a value the constructor would refuse, or an entry missing, is a
+// StateError naming it, and the scaler keeps its scale, tracker and options.
+TEST(GradScaler, ALoadOfADamagedStateIsRefusedAndChangesNothing) {
+  const auto saved = [](const std::string& key, double value) {
+    hddp::GradScalerOptions o;
+    o.initScale = 1024;
+    torch::serialize::OutputArchive out;
+    hddp::GradScaler(o).save(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    std::istringstream is(bytes.str());
+    in.load_from(is);
+    // Rewritten with `key` set to `value` (or left out when value is NaN).
+    torch::serialize::OutputArchive edited;
+    for (const auto& k : in.keys()) {
+      at::Tensor t;
+      in.read(k, t);
+      if (k != key) {
+        edited.write(k, t);
+      } else if (!std::isnan(value)) {
+        edited.write(k, at::full({1}, value, t.scalar_type()));
+      }
+    }
+    std::ostringstream again;
+    edited.save_to(again);
+    auto result = std::make_shared<torch::serialize::InputArchive>();
+    std::istringstream back(again.str());
+    result->load_from(back);
+    return result;
+  };
+  const std::vector<std::pair<std::string, double>> damaged = {
+      {"growth_interval", 0}, {"growth_factor", 1.0},  {"backoff_factor", 1.5},  {"scale", -2.0},
+      {"scale", 1e300},       {"growth_tracker", 5e9}, {"enabled", std::nan("")}};
+  for (const auto& [key, value] : damaged) {
+    hddp::GradScalerOptions o;
+    o.initScale = 8;
+    o.growthInterval = 7;
+    hddp::GradScaler scaler(o);
+    auto archive = saved(key, value);
+    try {
+      scaler.load(*archive);
+      ADD_FAILURE() << key << " = " << value << " was loaded";
+    } catch (const hddp::StateError& e) {
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(scaler.currentScale(), 8.0) << key;
+    EXPECT_EQ(scaler.options().growthInterval, 7) << key;
+  }
 }
 
 TEST(GradScaler, MisuseIsReported) {

@@ -375,3 +375,46 @@ TEST(Ddp, OutOfMemoryAfterTheStepsCollectivesIsADistributedErrorNotAnAbandonedSt
     EXPECT_EQ(check.item<double>(), 3.0) << "rank " << rank;
   });
 }
+
+// Backward runs out of memory after its last gradient was sent (here in the hook of a
+// tensor before the first layer, which autograd reaches after every parameter's
+// gradient): abandonStep() comes too late, and says so, but finishes the step, which
+// stands: this rank holds the same reduced gradients as its peer, and the next
+// collective pairs (before, the step was left unfinished: the optimizer stepped on this
+// rank's own gradients, and the next step's first gradient was "received twice").
+TEST(Ddp, AnAbandonAfterTheLastBucketFinishesTheStepWhichStands) {
+  std::vector<std::vector<torch::Tensor>> grads(2);
+  runThreads(2, [&grads](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions c;
+    c.timeout = std::chrono::seconds(60);  // a rank left behind fails the test, not hangs it
+    auto comm = hddp::makeCommunicator(store, rank, size, c);
+    auto net = makeNet();
+    hddp::DistributedDataParallel ddp(net, *comm);
+    torch::manual_seed(rank);
+    ddp.setBatch(4, 8);
+    auto x = torch::randn({4, 6}, torch::requires_grad());
+    auto y = x * 1.0;  // its backward runs after every parameter's gradient
+    if (rank == 1) {
+      y.register_hook([](const torch::Tensor&) -> torch::Tensor {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "test: out of memory past the parameters");
+        return {};
+      });
+    }
+    auto loss = net->forward(y).sum();
+    if (rank == 1) {
+      EXPECT_THROW(loss.backward(), c10::OutOfMemoryError);
+      EXPECT_FALSE(ddp.abandonStep()) << "every bucket was sent: too late";
+    } else {
+      loss.backward();
+    }
+    EXPECT_FALSE(ddp.lastStepAbandoned()) << "rank " << rank;
+    grads[static_cast<size_t>(rank)] = gradsOf(*net);
+    auto check = torch::full({1}, static_cast<double>(rank + 1), torch::kFloat64);
+    comm->allreduce(check).wait();
+    EXPECT_EQ(check.item<double>(), 3.0) << "rank " << rank;
+  });
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << "gradient " << i << " differs";
+  }
+}

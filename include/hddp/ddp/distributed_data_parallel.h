@@ -329,7 +329,8 @@ class DistributedDataParallel {
   /// memory): sends zeros for the gradients it has not sent and marks the step as
   /// abandoned, so that the step's collectives complete on every rank. Call it after the
   /// failed forward or backward, instead of finalize(). Returns false when it came too
-  /// late (every gradient was already sent); the step then stands as it is.
+  /// late (every bucket was already sent): it then finishes the step as the end of
+  /// backward would have, and the step stands, with the same sums on every rank.
   bool abandonStep();
   /// True on every rank when some rank abandoned the last synchronized step: its
   /// gradients are then incomplete and the optimizer step must be skipped on every rank.

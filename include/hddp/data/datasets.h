@@ -115,11 +115,12 @@ struct ImageLimits {
 /// bytes say: PNG with libpng, JPEG with libjpeg-turbo (its defaults, as Pillow decodes),
 /// binary PGM/PPM (P5/P6) with hddp's own reader (1-byte samples as stored, whatever the
 /// maxval; 2-byte samples of maxval 65535 keep their high byte, as a 16-bit PNG's do, and
-/// of a smaller maxval are scaled to 0..255, rounded), GIF, BMP and TGA with stb_image. Channels are converted as
-/// stb_image converts them: gray to RGB by copying, RGB to gray as (77 R + 150 G + 29 B) >> 8 (a
-/// YCbCr JPEG gives its Y plane), alpha dropped. hddp::DataError naming the file and what is wrong
-/// when it cannot be decoded, and before decoding when it is larger than `limits` or claims more
-/// pixels than its bytes can describe in its format. Thread-safe: any number of calls at once.
+/// of a smaller maxval are scaled to 0..255, rounded), GIF, BMP and TGA with stb_image. Channels
+/// are converted as stb_image converts them: gray to RGB by copying, RGB to gray as (77 R + 150 G +
+/// 29 B) >> 8 (a YCbCr JPEG gives its Y plane), alpha dropped. hddp::DataError naming the file and
+/// what is wrong when it cannot be decoded, and before decoding when it is larger than `limits` or
+/// claims more pixels than its bytes can describe in its format. Thread-safe: any number of calls
+/// at once.
 at::Tensor decodeImage(const std::string& path, int channels, const ImageLimits& limits = {});
 
 /// Learnable synthetic classification: each class is a fixed random pattern, each

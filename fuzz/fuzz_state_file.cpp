@@ -4,11 +4,14 @@
 //  2. With its length and CRC set to match its payload (the input's bytes after the
 //     20-byte header), by Trainer::load of a one-rank job, so that the fuzzer's mutations
 //     reach the payload -- the LibTorch archive with meta, progress, model, optimizer,
-//     scaler, sampler, planner and each rank's part -- rather than stopping at the CRC.
+//     scaler, sampler, planner, each rank's part and the Trainer's parts' states (a part
+//     with a state of its own, hddp/train/part.h) -- rather than stopping at the CRC.
+//  3. The same bytes as a commit of hddp::Commits (hddp/train/commits.h), resumed.
 //
 // The job: Linear(4, 3) + BatchNorm1d(3), SGD with momentum, balancing on, global batch 8,
 // one rank over Gloo on the CPU. HDDP_FUZZ_WRITE_SEED=<dir> makes this program train it
-// for 3 steps, save its state file into <dir> (the seed corpus's) and exit.
+// for 3 steps, save its state file and a commit of its model into <dir> (the seed
+// corpus's) and exit.
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -21,12 +24,30 @@
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/store.h"
 #include "hddp/data/datasets.h"
+#include "hddp/train/commits.h"
+#include "hddp/train/part.h"
 #include "hddp/train/state_file.h"
 #include "hddp/train/trainer.h"
 
 namespace {
 
 constexpr size_t kHeader = 20;  // "HDDPST01", length (uint64), CRC-32 (uint32)
+
+// A part of the Trainer with a state of its own: its bytes, taken as they come.
+class KeptBytes final : public hddp::TrainerPart {
+ public:
+  std::string name() const override { return "kept_bytes"; }
+  int stateVersion() const override { return 2; }
+  std::string saveState() const override { return bytes_; }
+  void loadState(const std::string& bytes, int version) override {
+    bytes_ = bytes;
+    version_ = version;
+  }
+
+ private:
+  std::string bytes_ = "state of the part";
+  int version_ = 2;
+};
 
 struct OneRankJob {
   hddp::Store store = hddp::Store::memory(std::chrono::seconds(60));
@@ -51,6 +72,7 @@ struct OneRankJob {
         *comm, net.ptr(),
         [flat](const at::Tensor& x) mutable { return flat->forward(x.flatten(1)); },
         hddp::crossEntropy(), optimizer, data, o);
+    trainer->addPart(std::make_shared<KeptBytes>());
   }
 };
 
@@ -83,7 +105,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   if (const char* dir = std::getenv("HDDP_FUZZ_WRITE_SEED")) {
     OneRankJob seed(dir);
     seed.trainer->fit();
-    std::printf("wrote the state files of 3 steps into %s\n", dir);
+    hddp::Commits(*seed.comm, dir).save(3, [&](torch::serialize::OutputArchive& a) {
+      seed.net->save(a);
+    });
+    std::printf("wrote the state file and a commit of 3 steps into %s\n", dir);
     std::exit(0);
   }
   job();
@@ -104,5 +129,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!hddp::fuzz::refusedCleanly("Trainer::load", [&] { job().trainer->load(path); })) {
     renewJob();
   }
+  const std::string commit = hddp::fuzz::writeInput(
+      reinterpret_cast<const uint8_t*>(fixed.data()), fixed.size(), "commit-00000002.hddp");
+  hddp::fuzz::refusedCleanly("Commits::resume", [&] {
+    hddp::Commits commits(*job().comm, commit.substr(0, commit.rfind('/')));
+    commits.resume([](torch::serialize::InputArchive&) {});
+  });
   return 0;
 }

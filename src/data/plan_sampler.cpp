@@ -52,6 +52,7 @@ struct PlanSampler::Shared {
     }
     nextEpoch = sampler.epoch() + 1;
     consumed = sampler.state();
+    lastGlobal = 0;
     started = true;
   }
 
@@ -67,6 +68,8 @@ struct PlanSampler::Shared {
   // Steps the loader asked for and has not handed out yet, with the position after each.
   std::deque<std::pair<StepShare, DistributedSampler::State>> pending;
   DistributedSampler::State consumed;
+  // The global batch of the step stepOfBatch() last returned (0: none in this pass).
+  int64_t lastGlobal = 0;
 };
 
 PlanSampler::PlanSampler(int64_t datasetSize, const BatchPlanner& planner, int rank,
@@ -101,6 +104,7 @@ void PlanSampler::setEpoch(int64_t epoch) {
   HDDP_CHECK(epoch >= 0, "PlanSampler::setEpoch: epoch must be >= 0, got ", epoch);
   std::lock_guard<std::mutex> lock(shared_->mutex);
   shared_->nextEpoch = epoch;
+  shared_->lastGlobal = 0;  // a step of the pass before is not repeated into this one
   // PyTorch's habit, load() and then setEpoch(epoch) at the top of each epoch, resumes
   // the loaded epoch where it stood; another epoch starts afresh.
   if (shared_->resumeFrom && shared_->resumeFrom->epoch != epoch) {
@@ -117,7 +121,25 @@ StepShare PlanSampler::stepOfBatch() {
   auto [share, after] = std::move(shared_->pending.front());
   shared_->pending.pop_front();
   shared_->consumed = after;
+  shared_->lastGlobal = share.globalBatch;
   return std::move(share);
+}
+
+void PlanSampler::repeatLastStep() {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  HDDP_CHECK_AS(ConfigError, shared_->lastGlobal > 0,
+                "PlanSampler::repeatLastStep: no step was handed out in this pass; call it "
+                "after stepOfBatch() returned the step to repeat");
+  HDDP_CHECK_AS(ConfigError, shared_->pending.empty(), "PlanSampler::repeatLastStep: the loader ",
+                "asked for ", shared_->pending.size(),
+                " step(s) ahead, which cannot be taken back; a loop that repeats steps "
+                "(out-of-memory recovery) needs DataLoaderOptions().workers(0)");
+  DistributedSampler::State back = shared_->consumed;
+  back.position -= shared_->lastGlobal;
+  HDDP_INTERNAL_ASSERT(back.position >= 0, "PlanSampler: a repeat before the epoch's start");
+  shared_->sampler.restore(back);
+  shared_->consumed = back;
+  shared_->lastGlobal = 0;
 }
 
 int64_t PlanSampler::epoch() const {
@@ -145,6 +167,7 @@ std::optional<std::vector<size_t>> PlanSampler::next(size_t /*batchSize*/) {
   }
   const BatchPlan plan = shared_->currentPlan();
   if (shared_->sampler.epochDone(plan.global)) {
+    shared_->lastGlobal = 0;  // the pass ended: a repeat now would be lost at the next
     return std::nullopt;
   }
   StepShare share = shared_->sampler.next(plan, shared_->rank);
@@ -173,6 +196,7 @@ void PlanSampler::load(torch::serialize::InputArchive& archive) {
                 " samples (was it saved for another dataset?)");
   shared_->resumeFrom = s;
   shared_->consumed = s;
+  shared_->lastGlobal = 0;
 }
 
 }  // namespace hddp

@@ -44,10 +44,7 @@ int64_t Trainer::Impl::plannedSteps() const {
   if (options_.maxSteps > 0) {
     total = std::min(total, options_.maxSteps);
   }
-  if (budget_.endStep > 0) {
-    total = std::min(total, budget_.endStep);
-  }
-  return total;
+  return budget_.capSteps(total);
 }
 
 std::map<std::string, double> Trainer::Impl::evaluate() {
@@ -55,9 +52,9 @@ std::map<std::string, double> Trainer::Impl::evaluate() {
     return {};
   }
   const auto e0 = Clock::now();
-  const double b0 = budgetNow();
+  const double b0 = budget_.now();
   auto evaluation = evaluation_(epoch_);
-  budget_.evaluationSeconds += budgetNow() - b0;
+  budget_.leaveOut(budget_.now() - b0);
   timeline_.add("evaluation", e0, Clock::now(), step_);
   model_->train();
   if (!evaluation.empty()) {
@@ -76,6 +73,10 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   run_.lastTrainLoss = r.samples > 0 ? sums[0] / r.samples : 0.0;
   r.seconds = seconds(epochStart, Clock::now());
   r.evaluation = evaluate();
+  // A save asked now is made anyway (the epoch's state file, with a save folder).
+  const EpochSummary ended{epoch_, epochSteps, step_, run_.lastTrainLoss, r.evaluation};
+  eachPart([&](TrainerPart& part) { part.onEpochEnd(ended, heldRequests_); });
+  agreeParts();
   ++summary.epochsCompleted;
   r.epoch = epoch_;
   r.epochs = options_.epochs;
@@ -106,8 +107,8 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
   bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
   bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
   for (;;) {
-    if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) ||
-        (budget_.endStep > 0 && step_ >= budget_.endStep)) {
+    if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) || budget_.reached(step_) ||
+        partsStop_) {
       if (thisEpoch_.steps > 0 && loader_->stepsLeftInEpoch() == 0) {
         // The epoch is complete: end it (evaluation, its state) rather than save an
         // empty remainder that a resume would report and evaluate again.
@@ -131,10 +132,9 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
     samples += batch->share.globalBatch;
     ++thisEpoch_.steps;
     elastic_.stepDone(step_, step_ == run_.startStep + 1, comm_.rank(), batch->share.indices);
-    if (options_.timeBudgetSeconds > 0) {
-      updateTimeBudget();
-    }
-    if (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0 : elastic_.commitDue(step_)) {
+    budget_.afterStep(step_, loader_->stepsLeftInEpoch() == 0);  // collective every 10
+    if (partsSave_ ||
+        (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0 : elastic_.commitDue(step_))) {
       if (loader_->stepsLeftInEpoch() == 0) {
         commitAtEpochEnd = true;  // saved once, as the epoch's end, below
       } else {
@@ -153,6 +153,10 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
   }
   if (commitAtEpochEnd) {
     elastic_.committed(comm_, step_, summary.lastStateFile, run_.lastSaveStart);
+  }
+  if (partsStop_ && !stopAtEpochEnd) {  // a part asked at the epoch's end
+    run_.stoppedEarly = epoch_ < options_.epochs;
+    stopAtEpochEnd = true;
   }
   return stopAtEpochEnd ? EpochEnd::StopsTheRun : EpochEnd::Complete;
 }

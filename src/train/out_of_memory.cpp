@@ -1,5 +1,7 @@
-#include "train/out_of_memory.h"
+// Recovery from a rank running out of memory in a step (hddp/train/out_of_memory.h).
+#include "hddp/train/out_of_memory.h"
 
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
@@ -10,9 +12,12 @@
 #include "hddp/comm/communicator.h"
 #include "hddp/comm/exchange.h"
 #include "hddp/core/error.h"
+#include "hddp/core/logging.h"
+#include "hddp/ddp/distributed_data_parallel.h"
+#include "hddp/ddp/power_sgd.h"
+#include "hddp/train/step_rollback.h"
 
 namespace hddp {
-namespace train {
 namespace {
 
 std::vector<OutOfMemoryFailure> gatherFailures(Communicator& comm, bool failedHere,
@@ -36,10 +41,10 @@ std::string firstLine(const std::string& text) { return text.substr(0, text.find
 
 }  // namespace
 
-OutOfMemoryRecovery recoverFromOutOfMemory(Communicator& comm, BatchPlanner* planner,
-                                           const std::string& mine, int64_t localBatch,
-                                           int64_t minLocalBatch, int64_t step) {
-  OutOfMemoryRecovery result;
+OutOfMemoryOutcome recoverFromOutOfMemory(Communicator& comm, BatchPlanner* planner,
+                                          const std::string& mine, int64_t localBatch,
+                                          int64_t minLocalBatch, int64_t step) {
+  OutOfMemoryOutcome result;
   result.failures = gatherFailures(comm, !mine.empty(), localBatch);
   result.before = planner ? planner->plan() : BatchPlan{};
   for (const auto& f : result.failures) {
@@ -78,5 +83,58 @@ OutOfMemoryRecovery recoverFromOutOfMemory(Communicator& comm, BatchPlanner* pla
   return result;
 }
 
-}  // namespace train
+OutOfMemoryRecovery::OutOfMemoryRecovery(Communicator& comm, DistributedDataParallel& ddp,
+                                         BatchPlanner* planner, StepRollback* rollback,
+                                         c10::Device device, int64_t minLocalBatch)
+    : comm_(comm),
+      ddp_(ddp),
+      planner_(planner),
+      rollback_(rollback),
+      device_(device),
+      minLocalBatch_(minLocalBatch) {}
+
+bool OutOfMemoryRecovery::run(const std::function<void()>& forwardAndBackward) {
+  mine_.clear();
+  try {
+    forwardAndBackward();
+    return true;
+  } catch (const c10::OutOfMemoryError& e) {
+    if (device_.type() != c10::kCPU) {
+      c10::getDeviceAllocator(device_.type())->emptyCache();
+    }
+    mine_ = e.what_without_backtrace();
+    HDDP_CHECK(ddp_.abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
+               "gradients were sent (", mine_, "); this cannot be retried");
+    return false;
+  }
+}
+
+std::optional<OutOfMemoryOutcome> OutOfMemoryRecovery::afterBackward(int64_t localBatch,
+                                                                     int64_t step) {
+  if (!ddp_.lastStepAbandoned()) {
+    mine_.clear();
+    return std::nullopt;
+  }
+  // The abandoned step leaves no trace: the forward's normalisation statistics and random
+  // draws, and PowerSGD's memories, are put back, so the repeat trains as a straight run
+  // of the new split would (the optimizer, scaler and sampler were not touched).
+  if (rollback_) {
+    rollback_->restore();
+  }
+  if (const auto& powerSgd = ddp_.powerSgdState()) {
+    powerSgd->discardStep();
+  }
+  OutOfMemoryOutcome outcome =
+      recoverFromOutOfMemory(comm_, planner_, mine_, localBatch, minLocalBatch_, step);
+  ++repeated_;
+  // Rank 0 and the failing ranks warn; the others note it.
+  if (comm_.rank() == 0 || !mine_.empty()) {
+    HDDP_LOG_WARN("train", outcome.message);
+  } else {
+    HDDP_LOG_INFO("train", outcome.message);
+  }
+  mine_.clear();
+  return outcome;
+}
+
 }  // namespace hddp

@@ -4,8 +4,8 @@
 
 #include "hddp/balance/batch_plan.h"
 #include "hddp/core/logging.h"
+#include "hddp/train/out_of_memory.h"
 #include "hddp/train/trainer.h"
-#include "train/out_of_memory.h"
 
 namespace hddp {
 namespace train {
@@ -254,7 +254,7 @@ void Reporter::evaluationAtStop(int64_t epoch, int64_t step,
   progress_->line(line.str());
 }
 
-void Reporter::outOfMemory(const OutOfMemoryRecovery& recovery, int64_t epoch, int64_t step) {
+void Reporter::outOfMemory(const OutOfMemoryOutcome& recovery, int64_t epoch, int64_t step) {
   nlohmann::json record{{"kind", "out_of_memory"},
                         {"rank", rank_},
                         {"epoch", epoch},

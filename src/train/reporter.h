@@ -17,11 +17,10 @@
 
 namespace hddp {
 
+struct OutOfMemoryOutcome;
 struct TrainSummary;
 
 namespace train {
-
-struct OutOfMemoryRecovery;
 
 struct StepReport {
   int64_t epoch = 0;
@@ -88,7 +87,7 @@ class Reporter {
   /// An evaluation outside an epoch's end (maxSteps stopped the run inside one).
   void evaluationAtStop(int64_t epoch, int64_t step, const std::map<std::string, double>& metrics,
                         const std::string& planText, const std::string& stoppedBy);
-  void outOfMemory(const OutOfMemoryRecovery& recovery, int64_t epoch, int64_t step);
+  void outOfMemory(const OutOfMemoryOutcome& recovery, int64_t epoch, int64_t step);
   void summary(const TrainSummary& summary, const std::map<std::string, double>& evaluation);
 
  private:

@@ -1,6 +1,5 @@
 // One training step, in phases: forward and backward (with the out-of-memory catch),
 // optimizer step, measurement and re-planning, report.
-#include <c10/core/CachingDeviceAllocator.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -11,7 +10,8 @@
 #include "hddp/core/error.h"
 #include "hddp/core/fault.h"
 #include "hddp/core/logging.h"
-#include "train/out_of_memory.h"
+#include "hddp/train/out_of_memory.h"
+#include "hddp/train/step_rollback.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
@@ -45,6 +45,7 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   if (schedule_) {
     schedule_(info, optimizer_);
   }
+  eachPart([&](TrainerPart& part) { part.beforeStep(info); });
   fault::at(fault::Point::Step, step_ + 1);  // HDDP_FAULT's step=N (hddp/core/fault.h)
   StepClock clock;
   clock.start = Clock::now();
@@ -52,12 +53,12 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   emulator_->beginStep(step_, batch.share.localBatch);  // an emulated slower card's marks
   timer_->copySpan(batch.copyStarted, batch.copied);
   memory_.beginStep();
-  const std::string outOfMemory = forwardAndBackward(batch, clock);
+  forwardAndBackward(batch, clock);
   // Every rank learns whether some rank abandoned the step (read with the last bucket).
   // The results must be readable on the host first: on a CPU device the optimizer reads
   // them there, and the status is a host read. On NCCL this is where the host waits for
   // the slower ranks' gradients: a communication wait, left out of the compute time.
-  const bool readStatus = options_.recoverFromOutOfMemory && !hasSyncBatchNorm_;
+  const bool readStatus = recovery_ != nullptr;
   timer_->beginWait();
   if (readStatus || device_.is_cpu()) {
     comm_.synchronize();
@@ -65,19 +66,24 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   const bool abandoned = readStatus && ddp_->lastStepAbandoned();
   timer_->endWait();
   if (abandoned) {
-    repeatStep(batch, outOfMemory, clock.start);  // the timer's open step is dropped
+    repeatStep(batch, clock.start);  // the timer's open step is dropped
     return false;
   }
+  eachPart([&](TrainerPart& part) { part.afterBackward(info); });
   const bool stepped = optimizerStep(batch, clock);
   measureMemory(batch.share.localBatch);
   const double compute = measureAndReplan();
-  report(batch, info, clock, compute, stepped);
+  const double loss = report(batch, info, clock, compute, stepped);
+  const StepEnd end{info, loss, stepped};
+  eachPart([&](TrainerPart& part) { part.afterOptimizerStep(end, heldRequests_); });
+  // Agreed now when a part asks for it (one allreduce a step), else at the epoch's end.
+  partsSave_ = partsEachStep_ && agreeParts();
   return true;
 }
 
-// Forward and the scaled backward (the allreduce overlaps it). Returns this rank's
-// allocation error when it ran out of memory and the step can be repeated, else "".
-std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clock) {
+// Forward and the scaled backward (the allreduce overlaps it). With out-of-memory
+// recovery, a rank that runs out of memory gives the step up (OutOfMemoryRecovery::run).
+void Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clock) {
   const int64_t local = batch.share.localBatch;
   ddp_->setBatch(local, batch.share.globalBatch);
   if (sharded_) {
@@ -86,21 +92,23 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
     optimizer_.zero_grad();
   }
   clock.forwardEnd = clock.start;
-  if ((options_.recoverFromOutOfMemory && !hasSyncBatchNorm_) || scaler_->isEnabled()) {
+  if (!rollback_ && scaler_->isEnabled()) {
+    // A GradScaler enabled by a state file's (an fp16 run resumed): its skipped steps
+    // put the buffers and generators back too.
+    rollback_ = std::make_unique<StepRollback>(*model_, device_);
+  }
+  if (rollback_) {
     // What the forward changes before the step is known to stand (BatchNorm's statistics,
     // the generators): an abandoned step (repeatStep) and a step the GradScaler skips
     // (optimizerStep) put them back. Every step captures, one without samples too, so a
     // restore never brings back an older step's.
-    if (!rollback_) {
-      rollback_ = std::make_unique<train::StepRollback>(*model_, device_);
-    }
     rollback_->capture();
   }
   if (local == 0) {
     ddp_->finalize();  // no samples this step: contribute zeros, receive the others'
-    return "";
+    return;
   }
-  try {
+  const auto work = [&] {
     {
       std::optional<AutocastGuard> autocast;
       if (options_.amp != AmpMode::Off) {
@@ -114,52 +122,29 @@ std::string Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clo
     clock.forwardEnd = Clock::now();
     timeline_.add("forward", clock.start, clock.forwardEnd, step_, Track::Training, local);
     scaler_->scale(lastStep_.loss).backward();
-  } catch (const c10::OutOfMemoryError& e) {
-    if (!options_.recoverFromOutOfMemory || hasSyncBatchNorm_) {
-      throw;  // (SyncBatchNorm's collectives in forward cannot be matched)
-    }
+  };
+  if (!recovery_) {
+    work();  // (SyncBatchNorm's collectives in forward cannot be matched: no recovery)
+  } else if (!recovery_->run(work)) {
     lastStep_.loss = at::Tensor();
-    if (device_.type() != c10::kCPU) {
-      c10::getDeviceAllocator(device_.type())->emptyCache();
-    }
-    const std::string what = e.what_without_backtrace();
-    HDDP_CHECK(ddp_->abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
-               "gradients were sent (", what, "); this cannot be retried");
-    return what;
   }
-  return "";
 }
 
 // Some rank ran out of memory in this step (every rank gets here, after the step's
-// collectives): undo what the step changed, learn the failing ranks' memory caps,
-// re-plan, and rewind the loader so the same global batch is served again under the new
-// split. Nothing was applied (no optimizer step), so no sample is lost or counted twice.
-void Trainer::Impl::repeatStep(const Batch& batch, const std::string& mine, Clock::time_point t0) {
-  // The abandoned step leaves no trace: the forward's normalisation statistics and random
-  // draws, and PowerSGD's memories, are put back, so the repeat trains as a straight run
-  // of the new split would (the optimizer, scaler and sampler were not touched).
-  if (rollback_) {
-    rollback_->restore();
-  }
-  if (const auto& powerSgd = ddp_->powerSgdState()) {
-    powerSgd->discardStep();
-  }
-  const auto recovery =
-      train::recoverFromOutOfMemory(comm_, planner_.get(), mine, batch.share.localBatch,
-                                    options_.planner.minLocalBatch, step_ + 1);
+// collectives): the recovery undoes what the step changed, learns the failing ranks'
+// memory caps and re-plans; the loader is rewound so the same global batch is served
+// again under the new split. Nothing was applied (no optimizer step), so no sample is
+// lost or counted twice.
+void Trainer::Impl::repeatStep(const Batch& batch, Clock::time_point t0) {
+  const auto recovery = recovery_->afterBackward(batch.share.localBatch, step_ + 1);
+  HDDP_INTERNAL_ASSERT(recovery.has_value(), "the step was abandoned, but not on a second look");
   ++run_.repeatedSteps;
-  // Rank 0 and the failing ranks warn; the others note it.
-  if (comm_.rank() == 0 || !mine.empty()) {
-    HDDP_LOG_WARN("train", recovery.message);
-  } else {
-    HDDP_LOG_INFO("train", recovery.message);
-  }
-  reporter_.outOfMemory(recovery, epoch_, step_ + 1);
+  reporter_.outOfMemory(*recovery, epoch_, step_ + 1);
   timeline_.add("out of memory, step repeated", t0, Clock::now(), step_);
   DistributedSampler::State state = loader_->state();
   state.position -= batch.share.globalBatch;
   HDDP_INTERNAL_ASSERT(state.position >= 0, "rewinding the sampler before the epoch start");
-  loader_->resume(state, recovery.after);
+  loader_->resume(state, recovery->after);
 }
 
 // Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
@@ -252,8 +237,8 @@ double Trainer::Impl::measureAndReplan() {
   return compute;
 }
 
-void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepClock& clock,
-                           double compute, bool stepped) {
+double Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepClock& clock,
+                             double compute, bool stepped) {
   const int64_t local = batch.share.localBatch;
   train::StepReport r;
   r.loss = local > 0 ? lastStep_.loss.detach().to(at::kDouble).item<double>() : 0.0;
@@ -294,6 +279,7 @@ void Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepC
   }
   r.optimizerStateBytes = optimizerStateBytes(optimizer_);
   reporter_.step(r);
+  return r.loss;
 }
 
 }  // namespace hddp

@@ -1,5 +1,5 @@
 // A step's changes before it stands, kept for an abandoned step (step_rollback.h).
-#include "train/step_rollback.h"
+#include "hddp/train/step_rollback.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
@@ -8,7 +8,6 @@
 #include <mutex>
 
 namespace hddp {
-namespace train {
 namespace {
 
 at::Tensor stateOf(at::Generator generator) {
@@ -73,5 +72,4 @@ void StepRollback::restore() {
   captured_ = false;
 }
 
-}  // namespace train
 }  // namespace hddp

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -28,156 +29,15 @@
 #include "hddp/train/tensorboard.h"
 #include "train/model_device.h"
 #include "train/options_agreement.h"
+#include "train/trainer_checks.h"
 #include "train/trainer_impl.h"
 
 namespace hddp {
 
-Trainer::LossFn crossEntropy(double labelSmoothing) {
-  HDDP_CHECK_AS(ConfigError, labelSmoothing >= 0 && labelSmoothing < 1,
-                "label smoothing must be in [0, 1), not ", labelSmoothing);
-  const auto options =
-      torch::nn::functional::CrossEntropyFuncOptions().label_smoothing(labelSmoothing);
-  return [options](const at::Tensor& output, const at::Tensor& target) {
-    return torch::nn::functional::cross_entropy(output.to(at::kFloat), target, options);
-  };
-}
-
-std::vector<at::Tensor> uniqueParameters(const torch::nn::Module& module) {
-  std::vector<at::Tensor> out;
-  std::set<const void*> seen;
-  for (const auto& p : module.parameters(/*recurse=*/true)) {
-    if (seen.insert(p.unsafeGetTensorImpl()).second) {
-      out.push_back(p);
-    }
-  }
-  return out;
-}
-
-void setLearningRate(torch::optim::Optimizer& optimizer, double lr) {
-  for (auto& group : optimizer.param_groups()) {
-    auto& options = group.options();
-    if (auto* o = dynamic_cast<torch::optim::SGDOptions*>(&options)) {
-      o->lr(lr);
-    } else if (auto* o = dynamic_cast<torch::optim::AdamOptions*>(&options)) {
-      o->lr(lr);
-    } else if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&options)) {
-      o->lr(lr);
-    } else if (auto* o = dynamic_cast<torch::optim::RMSpropOptions*>(&options)) {
-      o->lr(lr);
-    } else if (auto* o = dynamic_cast<torch::optim::AdagradOptions*>(&options)) {
-      o->lr(lr);
-    } else {
-      options.set_lr(lr);
-    }
-  }
-}
-
-namespace {
-
-using Clock = Trainer::Impl::Clock;
-
-void checkOptions(const TrainerOptions& o, const Dataset* train, const Communicator& comm,
-                  const c10::Device& device) {
-  HDDP_CHECK_AS(ConfigError, train != nullptr && train->size() > 0,
-                "Trainer needs a non-empty training dataset");
-  HDDP_CHECK_AS(ConfigError, o.globalBatch >= comm.size(), "global batch ", o.globalBatch,
-                " is smaller than the number of ranks (", comm.size(), ")");
-  HDDP_CHECK_AS(ConfigError, o.epochs >= 1 && o.maxSteps >= 0,
-                "TrainerOptions: epochs must be >= 1 and maxSteps >= 0");
-  if (o.ddp.compression == GradCompression::Auto) {
-    HDDP_CHECK_AS(ConfigError, !o.ddp.commHook,
-                  "DdpOptions: compression Auto and a commHook are both set; a hook of your own "
-                  "decides what is sent, so leave compression at None");
-    PowerSgdState validate(o.ddp.powerSgd);  // its options are checked now, not when chosen
-  }
-  HDDP_CHECK_AS(ConfigError, o.zero >= 0 && o.zero <= 2, "TrainerOptions::zero (--zero) is ",
-                o.zero,
-                "; give 0 (plain data parallelism), 1 (optimizer state sharded) or 2 "
-                "(and gradients)");
-  HDDP_CHECK_AS(ConfigError,
-                o.zero == 0 || (!o.ddp.commHook && (o.ddp.compression == GradCompression::None ||
-                                                    o.ddp.compression == GradCompression::Auto)),
-                "ZeRO (--zero ", o.zero,
-                ") reduces each gradient bucket to the rank that owns "
-                "it and cannot be combined with gradient compression or a comm hook; drop "
-                "--compress or use --zero 0");
-  HDDP_CHECK_AS(ConfigError,
-                o.zero == 0 || o.shardBy.kind != ShardBy::Kind::Ratios ||
-                    static_cast<int>(o.shardBy.ratios.size()) == comm.size(),
-                "--shard-by ", describeShardBy(o.shardBy), " gives ", o.shardBy.ratios.size(),
-                " ratios for ", comm.size(), " ranks; give one per rank");
-  HDDP_CHECK_AS(ConfigError, o.keepLast >= 1, "TrainerOptions::keepLast must be >= 1");
-  HDDP_CHECK_AS(ConfigError, o.saveEvery == 0 || !o.saveDir.empty(),
-                "saveEvery is set but saveDir is empty: say where state files go");
-  HDDP_CHECK_AS(ConfigError, o.globalBatch <= train->size() || !o.loader.sampler.dropLast,
-                "global batch ", o.globalBatch, " exceeds the dataset (", train->size(),
-                " samples) with dropLast: no step would run");
-  HDDP_CHECK_AS(ConfigError, comm.backend() != Backend::Nccl || device == comm.device(),
-                "the model is on ", device.str(), " but this rank's NCCL communicator is bound to ",
-                comm.device().str(),
-                ": move the model to the rank's device (InitOptions::device, "
-                "--device, HDDP_DEVICE)");
-  HDDP_CHECK_AS(ConfigError, o.tensorboard.empty() || tensorBoardAvailable(),
-                "TrainerOptions::tensorboard (--tensorboard) names the folder ", o.tensorboard,
-                ", but this hddp was built without protobuf and cannot write TensorBoard event "
-                "files. Install libprotobuf-dev and protobuf-compiler (scripts/setup.sh does) "
-                "and build hddp again, or leave --tensorboard out");
-  HDDP_CHECK_AS(ConfigError, o.amp != AmpMode::Fp16 || !device.is_cpu(),
-                "fp16 mixed precision needs a GPU (this rank's model is on ", device.str(),
-                "); on a CPU use bf16");
-}
-
-// An optimizer that lists one tensor twice (built from parameters() of a model with
-// tied weights) would apply its update twice: refuse it, naming the tensor.
-void checkOptimizerListsEachTensorOnce(torch::optim::Optimizer& optimizer,
-                                       const torch::nn::Module& model) {
-  std::set<const void*> seen;
-  for (auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      if (seen.insert(p.unsafeGetTensorImpl()).second) {
-        continue;
-      }
-      std::string name = "a parameter";
-      for (const auto& item : model.named_parameters(/*recurse=*/true)) {
-        if (item.value().unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) {
-          name = "parameter '" + item.key() + "'";
-          break;
-        }
-      }
-      HDDP_THROW(ConfigError, "the optimizer lists ", name,
-                 " twice (a weight tied under two names?), so each step would update it "
-                 "twice. Build the optimizer from hddp::uniqueParameters(*model) instead of "
-                 "model->parameters().");
-    }
-  }
-}
-
-// The communicator the Trainer's collectives go through: under an emulated slow link
-// when the emulation asks for one (every rank computes the same link from the job's list).
-std::unique_ptr<Communicator> emulatedLinkFor(Communicator& comm, const TrainerOptions& options) {
-  const EmulationOptions e =
-      options.emulation ? *options.emulation : emulationFromEnv(comm.rank(), comm.size());
-  const LinkEmulation link{e.collectiveBytesPerSecond, e.linkLatencySeconds};
-  if (!link.active() || comm.size() < 2) {
-    return nullptr;
-  }
-  HDDP_LOG_SHARED("train", comm.rank(), "EMULATION ON: every collective of the Trainer takes ",
-                  "the time of a ring over ",
-                  link.bytesPerSecond > 0 ? c10::str(link.bytesPerSecond / 1e9, " GB/s")
-                                          : std::string("an unlimited link"),
-                  link.latencySeconds > 0
-                      ? c10::str(" with ", link.latencySeconds * 1e6, " us per message")
-                      : std::string(),
-                  " (the slowest emulated link; docs/balance.md)");
-  return emulateLink(comm, link);
-}
-
-}  // namespace
-
 Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model, ForwardFn forward,
                     LossFn loss, torch::optim::Optimizer& optimizer,
                     std::shared_ptr<const Dataset> train, TrainerOptions options)
-    : emulatedLink_(emulatedLinkFor(comm, options)),
+    : emulatedLink_(train::emulatedLinkFor(comm, options)),
       comm_(emulatedLink_ ? *emulatedLink_ : comm),
       model_(std::move(model)),
       forward_(std::move(forward)),
@@ -186,7 +46,10 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       options_(std::move(options)),
       device_(train::modelDevice(model_.get(), comm)),
       elastic_(options_.launch ? *options_.launch : detectJob(processEnvironment())),
-      timeline_(!options_.timelinePath.empty()) {
+      timeline_(!options_.timelinePath.empty()),
+      // Not finite is refused by checkOptions, agreed; until then, no budget.
+      budget_(comm_, std::isfinite(options_.timeBudgetSeconds) ? options_.timeBudgetSeconds : 0,
+              options_.budgetClock) {
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
   const train::RankDeviceScope onDevice(device_);  // the seed's timed forward, the DDP
@@ -217,7 +80,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   // A rank's own problem with its options (its device, its data) fails every rank at once;
   // then every rank must have been given the options that shape the collectives alike.
   agreeOutcome<ConfigError>(comm, "checking the Trainer's options",
-                            [&] { checkOptions(options_, train.get(), comm, device_); });
+                            [&] { train::checkOptions(options_, train.get(), comm, device_); });
   train::checkOptionsAgree(comm, options_);
   // Elastic commits and a launcher's restarts decide exchanges too (fit()'s start, the
   // commits): every rank must see the same launcher.
@@ -232,7 +95,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
                 comm.device() != device_ ? " (" + std::string(backendName(comm.backend())) +
                                                " communicates from " + comm.device().str() + ")"
                                          : std::string());
-  checkOptimizerListsEachTensorOnce(optimizer_, *model_);
+  train::checkOptimizerListsEachTensorOnce(optimizer_, *model_);
   const int rank = comm.rank();
   if (options_.amp == AmpMode::Bf16 &&
       env::resolveBool("HDDP_BF16_FALLBACK", options_.bf16Fallback).value) {
@@ -324,6 +187,14 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   GradScalerOptions so = options_.scaler;
   so.enabled = options_.amp == AmpMode::Fp16;
   scaler_ = std::make_unique<GradScaler>(so, &comm_);
+  const bool recover = options_.recoverFromOutOfMemory && !hasSyncBatchNorm_;
+  if (recover || scaler_->isEnabled()) {
+    rollback_ = std::make_unique<StepRollback>(*model_, device_);
+  }
+  if (recover) {
+    recovery_ = std::make_unique<OutOfMemoryRecovery>(comm_, *ddp_, planner_.get(), rollback_.get(),
+                                                      device_, options_.planner.minLocalBatch);
+  }
   LoaderOptions& lo = options_.loader;
   lo.device = device_;
   lo.seed = options_.seed;
@@ -368,6 +239,11 @@ TrainSummary Trainer::Impl::fit() {
   struct Disarm {
     ~Disarm() { fault::disarm(); }
   } disarmAtEnd;
+  struct Fitting {  // addPart() refuses while the hooks run
+    explicit Fitting(bool& on) : on_(on) { on_ = true; }
+    ~Fitting() { on_ = false; }
+    bool& on_;
+  } fitting(fitting_);
   int64_t reached = elastic_.begin(comm_.rank(), options_.saveDir);
   int64_t agreedStart = 0;
   if (elastic_.enabled() || elastic_.underAgent()) {
@@ -382,6 +258,7 @@ TrainSummary Trainer::Impl::fit() {
     reached = static_cast<int64_t>(newest[0]);
     agreedStart = static_cast<int64_t>(newest[1]);
   }
+  agreePartNames();  // before the resume, which loads their states
   resumeForFit();
   // The files each rank opens now (the sample log, the progress marks, the metrics file;
   // rank 0 TensorBoard's), agreed: a file one rank cannot write fails the run on every
@@ -398,10 +275,11 @@ TrainSummary Trainer::Impl::fit() {
   });  // also the run's common time zero
   timeline_.setOrigin(Clock::now());
   elastic_.startCommits(step_);
+  startParts();  // the program's parts: agreed, then their onFitStart
 
   TrainSummary summary;
   run_.start = Clock::now();
-  budget_.start = budgetNow();  // the time budget's own clock (TrainerOptions::budgetClock)
+  budget_.startClock();  // the time budget's own clock (TrainerOptions::budgetClock)
   run_.startStep = step_;
   run_.stoppedEarly = false;
   int64_t samples = 0;
@@ -414,11 +292,10 @@ TrainSummary Trainer::Impl::fit() {
     // trained.
     const auto evaluation = evaluate();
     if (!evaluation.empty()) {
-      reporter_.evaluationAtStop(epoch_, step_, evaluation, currentPlan().describe(),
-                                 budget_.endStep > 0 && step_ >= budget_.endStep &&
-                                         !(options_.maxSteps > 0 && step_ >= options_.maxSteps)
-                                     ? "the time budget"
-                                     : "maxSteps");
+      const std::string why = options_.maxSteps > 0 && step_ >= options_.maxSteps ? "maxSteps"
+                              : budget_.reached(step_) ? "the time budget"
+                                                       : "a part (" + partsStopWhy_ + ")";
+      reporter_.evaluationAtStop(epoch_, step_, evaluation, currentPlan().describe(), why);
     }
     if (!options_.saveDir.empty() && run_.lastSaved != step_) {
       summary.lastStateFile = save();
@@ -436,6 +313,8 @@ TrainSummary Trainer::Impl::fit() {
     timeline_.write(comm_, options_.timelinePath);
   }
   reporter_.summary(summary, run_.lastEvaluation);
+  eachPart([&](TrainerPart& part) { part.onFitEnd(summary); });
+  agreeParts();
   return summary;  // disarmAtEnd: a later save() of this Trainer meets no fault left over
 }
 
@@ -448,6 +327,7 @@ Trainer::Trainer(Communicator& communicator, std::shared_ptr<torch::nn::Module> 
 Trainer::~Trainer() = default;
 void Trainer::setSchedule(ScheduleFn schedule) { impl_->schedule_ = std::move(schedule); }
 void Trainer::setEvaluation(EvalFn evaluation) { impl_->evaluation_ = std::move(evaluation); }
+void Trainer::addPart(std::shared_ptr<TrainerPart> part) { impl_->addPart(std::move(part)); }
 TrainSummary Trainer::fit() {
   const train::RankDeviceScope onDevice(impl_->device_);
   return impl_->fit();

@@ -11,13 +11,15 @@
 #include <string>
 
 #include "hddp/balance/compression_model.h"
+#include "hddp/train/out_of_memory.h"
+#include "hddp/train/step_rollback.h"
+#include "hddp/train/time_budget.h"
 #include "hddp/train/timeline.h"
 #include "hddp/train/trainer.h"
 #include "train/commit_folders.h"
 #include "train/elastic.h"
 #include "train/memory_meter.h"
 #include "train/reporter.h"
-#include "train/step_rollback.h"
 #include "train/trainer_state.h"
 
 namespace hddp {
@@ -72,18 +74,19 @@ class Trainer::Impl {
   /// Runs one step; false when it was abandoned (some rank ran out of memory): nothing
   /// was applied, and the loader serves the same samples again under a new split.
   bool runStep(const Batch& batch);
-  /// Forward and the scaled backward (the allreduce overlaps it). Returns this rank's
-  /// allocation error when it ran out of memory and the step can be repeated, else "".
-  std::string forwardAndBackward(const Batch& batch, StepClock& clock);
+  /// Forward and the scaled backward (the allreduce overlaps it); with recovery_, a rank
+  /// that runs out of memory gives the step up.
+  void forwardAndBackward(const Batch& batch, StepClock& clock);
   /// After an abandoned step: learn the memory caps, re-plan, rewind the loader.
-  void repeatStep(const Batch& batch, const std::string& mine, Clock::time_point start);
+  void repeatStep(const Batch& batch, Clock::time_point start);
   /// Unscale, clip, step (skipped on every rank on an fp16 overflow), update the scale.
   bool optimizerStep(const Batch& batch, StepClock& clock);
   /// This rank's compute seconds, given to the planner, which may re-split.
   void measureMemory(int64_t local);
   double measureAndReplan();
-  void report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,
-              bool stepped);
+  /// Returns this rank's loss (its share's mean; 0 without samples).
+  double report(const Batch& batch, const StepInfo& info, const StepClock& clock, double compute,
+                bool stepped);
 
   // ---- the loop (trainer.cpp) ----------------------------------------------------------
 
@@ -164,9 +167,12 @@ class Trainer::Impl {
   // Why a load that failed part-way left this Trainer half loaded (empty: it did not);
   // the same on every rank. fit(), save() and load() then refuse (checkWhole()).
   std::string halfLoaded_;
-  // A step's buffers and RNG before its forward, for a step that is abandoned (set when
-  // out-of-memory recovery is on).
-  std::unique_ptr<train::StepRollback> rollback_;
+  // A step's buffers and RNG before its forward, for a step that is abandoned or skipped
+  // (set with out-of-memory recovery or the GradScaler).
+  std::unique_ptr<StepRollback> rollback_;
+  // Out-of-memory recovery (TrainerOptions::recoverFromOutOfMemory without SyncBatchNorm),
+  // else null.
+  std::unique_ptr<OutOfMemoryRecovery> recovery_;
 
   int64_t step_ = 0;
   int64_t epoch_ = 0;
@@ -208,26 +214,49 @@ class Trainer::Impl {
 
   /// The time budget (TrainerOptions::timeBudgetSeconds), the job's: a launcher's
   /// restart carries it on.
-  struct TimeBudget {
-    int64_t endStep = 0;           // the step at which it ends the run (0: not measured)
-    int64_t startStep = 0;         // the step it started at
-    double secondsBefore = 0;      // training seconds before this fit() (a restart)
-    double evaluationSeconds = 0;  // spent evaluating, left out of the budget
-    std::optional<double> start;   // budgetNow() when this fit() began
-    bool carry = false;            // load() takes the saved budget (a launcher's restart)
-  } budget_;
+  TimeBudget budget_;
+  bool budgetCarry_ = false;  // load() takes the saved budget (a launcher's restart)
 
   /// Steps planned in all (StepInfo::totalSteps).
   int64_t plannedSteps() const;
   nlohmann::json runConfig() const;
-  /// Every 10 steps with a time budget: the ranks agree on the step that ends the run.
-  void updateTimeBudget();
-  /// The time budget's clock in seconds (TrainerOptions::budgetClock, else the steady
-  /// clock), and the job's seconds on it so far (earlier generations included).
-  double budgetNow() const;
-  double budgetSeconds() const;
+  // ---- the program's parts (trainer_parts.cpp; hddp/train/part.h) --------------------
+  void addPart(std::shared_ptr<TrainerPart> part);
+  std::vector<TrainerPart*> partPointers() const;
+  /// fit()'s start, before its resume: the parts' names agreed (one allgather).
+  void agreePartNames();
+  /// After the resume: the parts' onFitStart and the agreement on its outcome (one
+  /// allreduce, with parts only).
+  void startParts();
+  /// Calls `hook` on every part in order; an exception is kept for agreeParts.
+  template <typename Hook>
+  void eachPart(Hook&& hook) {
+    for (const auto& part : parts_) {
+      try {
+        hook(*part);
+      } catch (...) {
+        if (!partFailure_) {
+          partFailure_ = std::current_exception();
+          partFailureFrom_ = part->name();
+        }
+      }
+    }
+  }
+  /// Every rank's requests (heldRequests_) and hook failures since the last agreement
+  /// made everyone's (one 32-byte allreduce; nothing without parts): a failure throws on
+  /// every rank, a stop is kept (partsStop_). Returns whether some rank asked to save.
+  bool agreeParts();
+  std::vector<std::shared_ptr<TrainerPart>> parts_;
+  std::exception_ptr partFailure_;  // a hook's exception, until agreeParts
+  std::string partFailureFrom_;     // the part that threw it
+  bool partsStop_ = false;          // a part asked to stop the run (agreed)
+  bool partsSave_ = false;          // a part asked to save after this step (agreed)
+  bool partsEachStep_ = false;      // some part's agreesEachStep() (agreed)
+  LoopRequests heldRequests_;       // this rank's requests since the last agreement
+  bool fitting_ = false;            // fit() is running (addPart refuses)
+  std::string partsStopWhy_;        // its reason (this rank's, or "on another rank")
 
-  // ---- commits (budget_and_commits.cpp) -----------------------------------------------
+  // ---- commits (trainer_commit.cpp) ----------------------------------------------------
   /// A commit: the state file, then its elastic part (ElasticRun::committed), which
   /// leaves the process with kReformExitCode when the group re-forms.
   void commit(TrainSummary& summary);

@@ -24,17 +24,14 @@ void Trainer::Impl::resumeForFit() {
   const bool agentJob = elastic_.underAgent() && !elastic_.runId().empty();
   const std::string& resume = options_.resume;
   const bool resumeIsSaveDir = agreedFolders();
-  budget_.endStep = 0;
-  budget_.secondsBefore = 0;
-  budget_.startStep = step_;
-  budget_.evaluationSeconds = 0;
+  budget_.start(step_);
   bool resumed = false;
   // On a restart or a new generation the newest commit of the save folder wins: `resume`
   // (--resume) only starts a run whose save folder holds no state yet, so work committed
   // since is never trained again.
   if (options_.resumeOnRestart && !options_.saveDir.empty() && (restarts > 0 || agentJob)) {
     // The same job's own commit: its time budget goes on (not a --resume of another run).
-    budget_.carry = options_.timeBudgetSeconds > 0;
+    budgetCarry_ = options_.timeBudgetSeconds > 0;
     run_.restarted = true;
     train::LoadOptions newest;
     newest.keep = true;  // a folder without the commit keeps the copy it receives
@@ -57,13 +54,13 @@ void Trainer::Impl::resumeForFit() {
   // counts whatever job wrote it (the user named it), unless it was just searched so.
   const bool searchedWhole = run_.restarted && !agentJob;
   if (!resumed && !resume.empty() && !(searchedWhole && resumeIsSaveDir)) {
-    budget_.carry = false;
+    budgetCarry_ = false;
     run_.restarted = restarts > 0;
     train::LoadOptions given;
     given.keep = resumeIsSaveDir;
     resumed = load(resume, given);
   }
-  budget_.carry = false;
+  budgetCarry_ = false;
   run_.restarted = false;
   if (restarts == 0 && !resumed && !resume.empty() && !resumeIsSaveDir &&
       !options_.saveDir.empty() && !listStateFiles(options_.saveDir).empty()) {

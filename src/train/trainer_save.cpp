@@ -26,6 +26,7 @@ train::StateParts Trainer::Impl::stateParts() {
   parts.runId = elastic_.runId();
   parts.folders = &saveFolders_;
   parts.sharded = sharded_.get();
+  parts.trainerParts = partPointers();
   return parts;
 }
 
@@ -49,10 +50,11 @@ std::string Trainer::Impl::save() {
     meta.progress.epochSamples = static_cast<int64_t>(sums[1]);
     meta.progress.epochSteps = thisEpoch_.steps;
   }
-  meta.progress.budgetSeconds = budgetSeconds();  // on the budget's clock
-  meta.progress.budgetEvaluationSeconds = budget_.evaluationSeconds;
-  meta.progress.budgetStartStep = budget_.startStep;
-  meta.progress.budgetSteps = budget_.endStep;
+  const TimeBudget::Account budget = budget_.account();  // on the budget's clock
+  meta.progress.budgetSeconds = budget.seconds;
+  meta.progress.budgetEvaluationSeconds = budget.evaluationSeconds;
+  meta.progress.budgetStartStep = budget.startStep;
+  meta.progress.budgetSteps = budget.endStep;
   const DistributedSampler::State sampler =
       thisEpoch_.midEpoch ? thisEpoch_.sampler : DistributedSampler::State{epoch_, 0};
   const std::string path =
@@ -114,17 +116,13 @@ bool Trainer::Impl::load(const std::string& fileOrDirectory, const train::LoadOp
   thisEpoch_.lossSum = thisEpoch_.midEpoch && comm_.rank() == 0 ? progress.epochLossSum : 0.0;
   thisEpoch_.samples = thisEpoch_.midEpoch && comm_.rank() == 0 ? progress.epochSamples : 0;
   thisEpoch_.steps = thisEpoch_.midEpoch ? progress.epochSteps : 0;
-  if (budget_.carry && progress.present) {
+  if (budgetCarry_ && progress.present) {
     // A restart of the same job: the budget and the schedule go on where they were.
-    budget_.secondsBefore = progress.budgetSeconds;
-    budget_.evaluationSeconds = progress.budgetEvaluationSeconds;
-    budget_.startStep = progress.budgetStartStep;
-    budget_.endStep = progress.budgetSteps;
+    budget_.resume({progress.budgetSeconds, progress.budgetEvaluationSeconds,
+                    progress.budgetStartStep, progress.budgetSteps},
+                   step_);
   } else {
-    budget_.secondsBefore = 0;
-    budget_.evaluationSeconds = 0;
-    budget_.startStep = step_;
-    budget_.endStep = 0;
+    budget_.start(step_);
   }
   // Caps given now win over the saved ones (a cap given again at resume replaces a
   // learned one, also upwards: how a learned cap is raised after a change of card or

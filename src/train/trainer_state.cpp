@@ -25,6 +25,7 @@
 #include "train/archive_check.h"
 #include "train/commit_folders.h"
 #include "train/elastic.h"
+#include "train/part_state.h"
 #include "train/state_archive.h"
 
 namespace hddp {
@@ -128,7 +129,8 @@ int64_t memberId(const StateParts& parts) {
 namespace {
 
 // This rank's own part of the state: who it is, its RNGs and the planner's window.
-std::vector<uint8_t> rankBlob(const StateParts& parts) {
+// `partsFailed`: set on rank 0 when a part could not give its state.
+std::vector<uint8_t> rankBlob(const StateParts& parts, bool& partsFailed) {
   OutputArchive a;
   a.write("member", at::tensor(std::vector<int64_t>{memberId(parts)}, at::kLong));
   if (parts.comm.rank() == 0) {
@@ -142,6 +144,10 @@ std::vector<uint8_t> rankBlob(const StateParts& parts) {
     } catch (const std::exception&) {
     }
     a.write("commit_nonce", at::tensor(std::vector<int64_t>{nonce}, at::kLong));
+    // The Trainer's parts' states (part_state.h), rank 0's, in the bytes every writer
+    // gets and the commit id covers. A part that fails to give its state fails the save
+    // on every rank at the writers' agreement below, not before the allgather.
+    partsFailed = !writePartStatesOrError(a, parts.trainerParts);
   }
   a.write("cpu_rng", generatorState(at::detail::getDefaultCPUGenerator()));
   const c10::Device device = parts.device;
@@ -182,7 +188,8 @@ int64_t commitIdOf(const std::vector<std::vector<uint8_t>>& blobs) {
 std::string saveState(const StateParts& parts, const StateMeta& meta,
                       const DistributedSampler::State& sampler, const std::string& directory,
                       int keepLast) {
-  const auto blobs = parts.comm.allgatherBytes(rankBlob(parts));
+  bool partsFailed = false;
+  const auto blobs = parts.comm.allgatherBytes(rankBlob(parts, partsFailed));
   const std::string path = stateFileName(directory, meta.step);
   // Rank 0 writes, and one rank of each folder it does not share (each rank holds the
   // same parameters, optimizer and shared state; the ranks' own parts were gathered).
@@ -262,6 +269,9 @@ std::string saveState(const StateParts& parts, const StateMeta& meta,
       if (!parts.runId.empty()) {
         archive.write("run_id",
                       bytesTensor(std::vector<uint8_t>(parts.runId.begin(), parts.runId.end())));
+      }
+      if (partsFailed || parts.comm.rank() != 0) {  // rank 0 knows; another writer reads it
+        checkPartStatesSaved(blobs[0]);
       }
       for (size_t r = 0; r < blobs.size(); ++r) {
         archive.write("rank" + std::to_string(r), bytesTensor(blobs[r]));

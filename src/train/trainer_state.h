@@ -24,7 +24,8 @@
 //                   next generation resumes only its own job's commits
 //   rank<r>         rank r's own archive, as bytes: its RNGs, its planner window and,
 //                   with PowerSGD, the hook's state (step, Q memories, this rank's
-//                   error memories)
+//                   error memories); rank 0's also the Trainer's parts' states
+//                   (trainer_parts, part_state.h; optional)
 // Rank 0 writes it, and the lowest rank of each other folder when the ranks do not all
 // share the save folder (commit_folders.h); every rank reads it.
 #pragma once
@@ -55,6 +56,7 @@ struct PowerSgdOptions;
 struct CompressionSpec;
 enum class GradCompression;
 class DistributedDataParallel;
+class TrainerPart;
 
 namespace train {
 
@@ -125,6 +127,8 @@ struct StateParts {
   /// Which ranks share the save folder (commit_folders.h), found at the first save to a
   /// folder and kept here for the next (null: found at each save).
   FolderGroups* folders = nullptr;
+  /// The Trainer's parts (hddp/train/part.h); those with a state are kept in the file.
+  std::vector<TrainerPart*> trainerParts;
   /// Set to true by loadState once it begins to change the parts (every entry it reads
   /// was read and checked on every rank before): a load that fails after that may have
   /// left them half loaded, alike on every rank. Null: not told.

@@ -26,6 +26,7 @@
 #include "train/archive_check.h"
 #include "train/commit_folders.h"
 #include "train/elastic.h"
+#include "train/part_state.h"
 #include "train/state_archive.h"
 #include "train/state_load_steps.h"
 #include "train/trainer_state.h"
@@ -195,8 +196,9 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   SharedPart shared;
   InputArchive plannerShared;
   bool hasPlanner = false;
-  uint64_t readId = 0;           // the commit this rank read (0: a file without an id)
-  std::vector<int64_t> members;  // who saved each rank's part
+  uint64_t readId = 0;                     // the commit this rank read (0: a file without an id)
+  std::vector<int64_t> members;            // who saved each rank's part
+  std::vector<SavedPartState> partStates;  // the Trainer's parts' (part_state.h)
   agreeLoadStep(parts.comm, path, [&] {
     if (payload.empty()) try {
         payload = readStateFile(path);
@@ -224,6 +226,9 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     readId = savedCommitId(archive);
     // Every saved rank's part is there and readable, whichever this rank continues.
     members = savedMembers(archive, loaded.meta.worldSize, path);
+    // The parts' states travel in rank 0's part (part_state.h).
+    InputArchive rank0 = savedBlob(archive, 0, path);
+    partStates = readPartStates(rank0, parts.trainerParts, path, parts.comm.rank() == 0);
   });
   // Every rank read its own copy where the file was named (a node-local disk each): the
   // copies must be one commit, or the ranks would load different models, and what follows
@@ -265,14 +270,25 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   OwnPart own;
   agreeLoadStep(parts.comm, path,
                 [&] { own = readOwnPart(parts, archive, from, meta.worldSize, hasPlanner, path); });
-  // The planner first, agreed: where it failed on some rank, every rank puts back the
-  // state it had, so that all plan alike.
+  // The Trainer's parts, then the planner, agreed: where one failed on some rank, every
+  // rank puts back the state they had, so that all go on alike.
+  std::vector<std::string> partsBefore;
+  try {
+    agreeLoadStep(parts.comm, path, [&] {
+      partsBefore = partStatesNow(partStates);
+      applyPartStates(partStates);
+    });
+  } catch (...) {
+    restorePartStates(partStates, partsBefore);
+    throw;
+  }
   if (parts.planner && hasPlanner) {
     const BatchPlanner::State before = parts.planner->state();
     try {
       agreeLoadStep(parts.comm, path, [&] { loadPlanner(parts, own, plannerShared, from); });
     } catch (...) {
       parts.planner->restore(before);
+      restorePartStates(partStates, partsBefore);
       throw;
     }
   }

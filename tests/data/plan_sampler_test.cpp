@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <numeric>
 #include <set>
 #include <sstream>
 #include <vector>
@@ -280,6 +281,98 @@ TEST(PlanSampler, MisuseIsAnErrorThatSaysWhatToDo) {
   auto it = loader->begin();
   ASSERT_FALSE(it == loader->end());
   EXPECT_EQ(sampler.stepOfBatch().localBatch, 4);
+}
+
+}  // namespace
+
+namespace {
+
+// Two ranks step through an epoch of 40 in steps of 16 with torch's loader (no workers);
+// at the second step (and again at the epoch's last, partial step) they repeat it under a
+// new split, as after running out of memory: the repeat holds the same samples, the
+// epoch still serves every sample once among the steps that stood, and the position a
+// save writes counts the step once.
+TEST(PlanSampler, RepeatLastStepServesTheSameSamplesUnderTheNewSplit) {
+  hddp::PlanSampler r0(40, planOf({8, 8}), 0);
+  hddp::PlanSampler r1(40, planOf({8, 8}), 1);
+  auto l0 = makeLoader(40, r0, 0);
+  auto l1 = makeLoader(40, r1, 0);
+  std::vector<int64_t> stood;
+  std::vector<std::vector<int64_t>> repeatedFirst;
+  std::vector<std::vector<int64_t>> repeatedThen;
+  int step = 0;
+  bool repeating = false;
+  auto i0 = l0->begin();
+  auto i1 = l1->begin();
+  for (; i0 != l0->end() && i1 != l1->end(); ++i0, ++i1, ++step) {
+    std::vector<int64_t> both = numbersIn((*i0).data);
+    const auto b1 = numbersIn((*i1).data);
+    both.insert(both.end(), b1.begin(), b1.end());
+    std::sort(both.begin(), both.end());
+    const hddp::StepShare s0 = r0.stepOfBatch();
+    r1.stepOfBatch();
+    if ((step == 1 || step == 3) && !repeating) {  // "out of memory": repeat, 10 / 6
+      repeatedFirst.push_back(both);
+      const BatchPlan split = s0.globalBatch == 16 ? planOf({10, 6}) : planOf({5, 3});
+      r0.setPlan(split);
+      r1.setPlan(split);
+      r0.repeatLastStep();
+      r1.repeatLastStep();
+      repeating = true;
+      continue;
+    }
+    if (repeating) {
+      repeatedThen.push_back(both);
+      EXPECT_EQ(s0.localBatch, s0.globalBatch == 16 ? 10 : 5);
+      repeating = false;
+    }
+    stood.insert(stood.end(), both.begin(), both.end());
+  }
+  EXPECT_EQ(repeatedFirst, repeatedThen);  // the same samples, under the new split
+  ASSERT_EQ(repeatedFirst.size(), 2u);
+  std::sort(stood.begin(), stood.end());
+  std::vector<int64_t> all(40);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(stood, all);
+  EXPECT_EQ(r0.state().position, 40);
+}
+
+TEST(PlanSampler, RepeatLastStepNeedsAStepAndALoaderThatDidNotAskAhead) {
+  hddp::PlanSampler fresh(40, planOf({8, 8}), 0);
+  EXPECT_THROW(fresh.repeatLastStep(), hddp::ConfigError);  // nothing handed out yet
+  {  // after a load, or once the pass has ended, there is no step to repeat
+    hddp::PlanSampler s(16, planOf({8, 8}), 0);
+    auto l = makeLoader(16, s, 0);
+    auto it = l->begin();
+    ASSERT_FALSE(it == l->end());
+    s.stepOfBatch();
+    ++it;  // the epoch of one step has ended
+    EXPECT_TRUE(it == l->end());
+    EXPECT_THROW(s.repeatLastStep(), hddp::ConfigError);
+    hddp::PlanSampler t(40, planOf({8, 8}), 0);
+    auto lt = makeLoader(40, t, 0);
+    ASSERT_FALSE(lt->begin() == lt->end());
+    t.stepOfBatch();
+    std::stringstream bytes;
+    torch::serialize::OutputArchive out;
+    t.save(out);
+    out.save_to(bytes);
+    torch::serialize::InputArchive in;
+    in.load_from(bytes);
+    t.load(in);
+    EXPECT_THROW(t.repeatLastStep(), hddp::ConfigError);
+  }
+  hddp::PlanSampler ahead(40, planOf({8, 8}), 0);
+  auto loader = makeLoader(40, ahead, 2);  // 2 workers: 4 steps asked for ahead
+  auto it = loader->begin();
+  ASSERT_FALSE(it == loader->end());
+  ahead.stepOfBatch();
+  try {
+    ahead.repeatLastStep();
+    ADD_FAILURE() << "a repeat went through with steps asked for ahead";
+  } catch (const hddp::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("workers(0)"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

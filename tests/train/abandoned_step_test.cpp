@@ -20,10 +20,10 @@
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/power_sgd.h"
 #include "hddp/train/state_file.h"
+#include "hddp/train/step_rollback.h"
 #include "hddp/train/trainer.h"
 #include "support/emulated_device.h"
 #include "support/ranks.h"
-#include "train/step_rollback.h"
 
 namespace {
 
@@ -265,7 +265,7 @@ TEST(StepRollback, ASkippedStepsBuffersLeaveTheNextSyncsWeightsToo) {
       options.bufferSync = skip ? hddp::BufferSync::WithGradients : hddp::BufferSync::None;
       options.bufferSyncInterval = 2;
       hddp::DistributedDataParallel ddp(model.ptr(), *comm, options);
-      hddp::train::StepRollback rollback(*model, c10::Device(c10::kCPU));
+      hddp::StepRollback rollback(*model, c10::Device(c10::kCPU));
       for (size_t step = 0; step < shares.size(); ++step) {
         const int64_t local = shares[step][static_cast<size_t>(rank)];
         if (step == 1 && !skip) {
@@ -306,7 +306,7 @@ TEST(StepRollback, PutsBackBuffersAndRandomDraws) {
   torch::manual_seed(1);
   BnNet model;
   model->train();
-  hddp::train::StepRollback rollback(*model, c10::Device(c10::kCPU));
+  hddp::StepRollback rollback(*model, c10::Device(c10::kCPU));
   model->forward(at::randn({4, 1, 8, 8}));
   rollback.capture();
   const at::Tensor mean = model->bn->running_mean.clone();

@@ -3,6 +3,8 @@
 // the job's budget on. The budget reads an injected clock (TrainerOptions::budgetClock)
 // that advances a fixed number of seconds per step, so every step count below is exact
 // and no test depends on the machine's speed (DESIGN.md: no test needs a speed).
+#include "hddp/train/time_budget.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -245,4 +247,67 @@ TEST(Trainer, ABudgetClockThatGoesBackFailsEveryRankTogether) {
         << "rank " << r << ": " << errors[r];
     EXPECT_NE(errors[r].find("TrainerOptions::budgetClock"), std::string::npos) << errors[r];
   }
+}
+
+// The budget as a loop of one's own uses it (hddp/train/time_budget.h): on two ranks
+// whose clocks run at 1 and 2 s per step, the slower decides, every rank gets the same
+// end, an evaluation left out does not count, and a resumed account carries the end on.
+TEST(TimeBudget, ALoopOfOnesOwnEndsWhereTheSlowestRanksClockSays) {
+  std::vector<int64_t> ends(2);
+  std::vector<int64_t> steps(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    double clock = 50.0;
+    hddp::TimeBudget budget(*comm, /*seconds=*/100, [&clock] { return clock; });
+    EXPECT_TRUE(budget.enabled());
+    budget.start(0);
+    int64_t step = 0;
+    int measured = 0;
+    while (!budget.reached(step)) {
+      clock += rank + 1.0;  // one step
+      ++step;
+      if (step == 5) {
+        const double t0 = budget.now();
+        clock += 30;  // an evaluation
+        budget.leaveOut(budget.now() - t0);
+      }
+      measured += budget.afterStep(step, /*lastOfEpoch=*/false) ? 1 : 0;
+      ASSERT_LT(step, 1000);
+    }
+    // Measured at step 10: 20 s of training (+30 left out) on the slower rank, 2 s per
+    // step; 50 s left make 25 more steps: the end is step 35, re-measured at 20 and 30
+    // (the same slope), where it stays.
+    ends[static_cast<size_t>(rank)] = budget.endStep();
+    steps[static_cast<size_t>(rank)] = step;
+    EXPECT_EQ(measured, 3);
+    EXPECT_EQ(budget.capSteps(1000), 35);
+    EXPECT_EQ(budget.capSteps(20), 20);
+    const hddp::TimeBudget::Account a = budget.account();
+    EXPECT_EQ(a.evaluationSeconds, 30.0);
+    EXPECT_EQ(a.startStep, 0);
+    EXPECT_EQ(a.endStep, 35);
+    // A restart carries the account on: the end stays, the seconds go on.
+    hddp::TimeBudget again(*comm, 100, [&clock] { return clock; });
+    again.resume(a, step);
+    EXPECT_EQ(again.endStep(), 35);
+    EXPECT_TRUE(again.reached(step));
+    EXPECT_EQ(again.account().seconds, a.seconds);
+  });
+  EXPECT_EQ(ends, (std::vector<int64_t>{35, 35}));
+  EXPECT_EQ(steps, (std::vector<int64_t>{35, 35}));
+}
+
+TEST(TimeBudget, WithoutSecondsItNeverEndsTheRunAndRunsNoCollective) {
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    auto comm = hddp::makeCommunicator(store, rank, size);
+    hddp::TimeBudget budget(*comm, 0);
+    budget.start(0);
+    // Rank 1 calls afterStep more often than rank 0: without a budget no collective runs,
+    // so nothing waits.
+    for (int64_t step = 1; step <= (rank == 0 ? 10 : 30); ++step) {
+      EXPECT_FALSE(budget.afterStep(step, false));
+      EXPECT_FALSE(budget.reached(step));
+    }
+    EXPECT_EQ(budget.capSteps(12), 12);
+  });
 }

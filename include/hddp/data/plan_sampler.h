@@ -88,6 +88,14 @@ class PlanSampler : public torch::data::samplers::Sampler<std::vector<size_t>> {
   /// loop. Its localBatch is the batch's size, its globalBatch what DDP's setBatch() takes
   /// (the plan's, or a partial last step's). ConfigError when no batch is pending.
   StepShare stepOfBatch();
+  /// Serves the step stepOfBatch() last returned again: the next step the loader asks
+  /// for is that step's global batch, split by the plan in force then (after a re-plan:
+  /// an out-of-memory recovery, hddp/train/out_of_memory.h). Every rank calls it at the
+  /// same step. Needs a loader that has not asked ahead (DataLoaderOptions().workers(0):
+  /// torch's loader with workers asks for 2 x workers steps ahead, which cannot be taken
+  /// back); hddp::ConfigError otherwise, and when no step was handed out in this pass
+  /// since the last load() or setEpoch(), or the pass has ended.
+  void repeatLastStep();
   /// The epoch of the current pass.
   int64_t epoch() const;
   /// Where the epoch stands after the last step stepOfBatch() returned (steps the loader

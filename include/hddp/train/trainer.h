@@ -40,6 +40,7 @@
 #include "hddp/data/loader.h"
 #include "hddp/ddp/distributed_data_parallel.h"
 #include "hddp/ddp/sharded_optimizer.h"
+#include "hddp/train/part.h"
 
 namespace torch {
 namespace nn {
@@ -198,34 +199,6 @@ struct TrainerOptions {
   }
 };
 
-/// What the schedule hook sees before each step.
-struct StepInfo {
-  int64_t step = 0;  // global step index, 0-based (continues across epochs and resumes)
-  int64_t epoch = 0;
-  int64_t stepInEpoch = 0;
-  int64_t stepsPerEpoch = 0;  // at the current plan (the last step may be partial)
-  int64_t localBatch = 0;
-  int64_t globalBatch = 0;
-  /// Steps the run is planned to have in all: epochs x steps per epoch, capped by
-  /// maxSteps and, once measured, by the time budget.
-  int64_t totalSteps = 0;
-};
-
-struct TrainSummary {
-  int64_t steps = 0;       // steps run by this fit() call
-  int64_t totalSteps = 0;  // including those before a resume
-  int64_t epochsCompleted = 0;
-  double seconds = 0;
-  double samplesPerSecond = 0;  // global samples / s over this fit()
-  double lastTrainLoss = 0;     // the last epoch's mean loss over all ranks' samples
-  int64_t repeatedSteps = 0;    // steps abandoned and repeated after running out of memory
-  /// This rank's peak memory over the fit: the allocator's peak allocated bytes on a
-  /// device (or the emulated device), the process's resident set on the CPU.
-  double peakMemoryBytes = 0;
-  std::map<std::string, double> lastEvaluation;
-  std::string lastStateFile;
-};
-
 /// Thread safety: one thread drives a Trainer (construction, fit, save, load, the
 /// accessors); its schedule and evaluation callbacks run on that thread, and it runs
 /// its own loader threads. Ownership: it keeps references to the communicator and the
@@ -251,6 +224,13 @@ class Trainer {
 
   void setSchedule(ScheduleFn schedule);
   void setEvaluation(EvalFn evaluation);
+  /// Adds a part of the program's own to the loop (hddp/train/part.h: its hooks, its
+  /// state in the state files, and the contract: every rank adds the same parts in the
+  /// same order). Called before fit() (and before a load() that should restore the
+  /// part's state). hddp::ConfigError for a null part, a name that is empty, longer than
+  /// 64 characters or has other characters than letters, digits, '_' and '-', or a name
+  /// another part has.
+  void addPart(std::shared_ptr<TrainerPart> part);
 
   /// Trains until options.epochs (or maxSteps); resumes first when options.resume is set.
   TrainSummary fit();

@@ -1,9 +1,10 @@
 // What a training step changes before it is known to stand, kept so that a step that is
-// abandoned (some rank ran out of memory; the step is repeated under a new split) leaves
-// no trace (internal to the train layer). The forward updates normalisation statistics
-// (BatchNorm's running mean and variance, num_batches_tracked) and draws from the random
-// generators (dropout); the optimizer, the scaler and the sampler are not touched before
-// the step stands, and PowerSGD's memories are undone by PowerSgdState::discardStep().
+// abandoned (some rank ran out of memory; the step is repeated under a new split:
+// hddp/train/out_of_memory.h) or skipped (the GradScaler's overflow) leaves no trace. The forward
+// updates normalisation statistics (BatchNorm's running mean and variance, num_batches_tracked) and
+// draws from the random generators (dropout); the optimizer, the scaler and the sampler are not
+// touched before the step stands, and PowerSGD's memories are undone by
+// PowerSgdState::discardStep().
 //
 // Thread safety: used from the training thread only.
 #pragma once
@@ -20,7 +21,6 @@ class Module;
 }  // namespace torch
 
 namespace hddp {
-namespace train {
 
 class StepRollback {
  public:
@@ -45,5 +45,4 @@ class StepRollback {
   bool captured_ = false;
 };
 
-}  // namespace train
 }  // namespace hddp

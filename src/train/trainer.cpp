@@ -43,6 +43,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
       forward_(std::move(forward)),
       loss_(std::move(loss)),
       optimizer_(optimizer),
+      given_(options),
       options_(std::move(options)),
       device_(train::modelDevice(model_.get(), comm)),
       elastic_(options_.launch ? *options_.launch : detectJob(processEnvironment())),
@@ -53,9 +54,37 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
   const train::RankDeviceScope onDevice(device_);  // the seed's timed forward, the DDP
-  if (elastic_.enabled() && options_.saveDir.empty()) {
-    options_.saveDir = elastic_.dir();  // commits go where the launcher says (hddp-run)
+  // A rank's own problem with its options (its device, its data) fails every rank at once;
+  // then every rank must have been given the options that shape the collectives alike.
+  for (const auto& module : model_->modules(/*include_self=*/true)) {
+    hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
   }
+  ResolvedOptions resolved;
+  agreeOutcome<ConfigError>(comm, "checking the Trainer's options", [&] {
+    RankFacts facts;
+    facts.device = device_;
+    facts.elasticDir = elastic_.enabled() ? elastic_.dir() : std::string();
+    facts.hasSyncBatchNorm = hasSyncBatchNorm_;
+    if (given_.amp == AmpMode::Bf16) {
+      facts.bf16Fallback = env::resolveBool("HDDP_BF16_FALLBACK", given_.bf16Fallback).value;
+      if (facts.bf16Fallback) {
+        const Bf16Support bf16 = bf16Support(device_);
+        facts.bf16Native = bf16.native;
+        facts.bf16Why = bf16.why;
+      }
+    }
+    resolved = resolveOptions(given_, facts);
+    train::checkOptions(resolved.options, train.get(), comm, device_);
+  });
+  options_ = std::move(resolved.options);
+  for (const auto& note : resolved.notes) {
+    if (note.warn) {
+      HDDP_LOG_WARN("train", "rank ", comm.rank(), " ", note.text);
+    } else {
+      HDDP_LOG_SHARED("train", comm.rank(), note.text);
+    }
+  }
+  train::checkOptionsAgree(comm, options_);
   if (elastic_.underAgent()) {
     // torchrun's agent starts new generations of ranks (a node left or joined, a rank
     // failed): with a save folder they commit and resume as in hddp-run's elastic job.
@@ -77,11 +106,6 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
                     "(--save-dir) to commit and resume");
     }
   }
-  // A rank's own problem with its options (its device, its data) fails every rank at once;
-  // then every rank must have been given the options that shape the collectives alike.
-  agreeOutcome<ConfigError>(comm, "checking the Trainer's options",
-                            [&] { train::checkOptions(options_, train.get(), comm, device_); });
-  train::checkOptionsAgree(comm, options_);
   // Elastic commits and a launcher's restarts decide exchanges too (fit()'s start, the
   // commits): every rank must see the same launcher.
   const uint8_t elastic = (elastic_.enabled() ? 1 : 0) | (elastic_.underAgent() ? 2 : 0);
@@ -97,32 +121,11 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
                                          : std::string());
   train::checkOptimizerListsEachTensorOnce(optimizer_, *model_);
   const int rank = comm.rank();
-  if (options_.amp == AmpMode::Bf16 &&
-      env::resolveBool("HDDP_BF16_FALLBACK", options_.bf16Fallback).value) {
-    const Bf16Support bf16 = bf16Support(device_);
-    if (!bf16.native) {
-      // Emulated bf16 is slower than float32 (11x for ResNet-20 on an AVX2 CPU), and
-      // the point of bf16 is speed: train in float32 and say so.
-      options_.amp = AmpMode::Off;
-      HDDP_LOG_WARN("train", "rank ", rank, " on ", device_.str(), ": bf16 asked for, but ",
-                    bf16.why,
-                    ": bf16 would be emulated (slower than float32), so this rank "
-                    "trains in float32 (HDDP_BF16_FALLBACK=0 keeps bf16)");
-    } else {
-      HDDP_LOG_INFO("train", "rank ", rank, " on ", device_.str(), ": bf16 natively (", bf16.why,
-                    ")");
-    }
-  }
   const EmulationOptions emulation =
       options_.emulation ? *options_.emulation : emulationFromEnv(rank, comm.size());
   // GradCompression::Auto: DDP starts with the plain allreduce and is switched before
   // its first step, once it has checked that the ranks' models agree and the seed has
   // timed them.
-  if (options_.zero > 0 && options_.ddp.compression == GradCompression::Auto) {
-    options_.ddp.compression = GradCompression::None;  // buckets go to their owners whole
-    HDDP_LOG_SHARED("train", rank, "ZeRO-", options_.zero,
-                    ": gradient compression is off (each bucket is reduced to its owner)");
-  }
   const bool autoCompress = options_.ddp.compression == GradCompression::Auto;
   DdpOptions ddpOptions = options_.ddp;
   if (options_.zero > 0) {
@@ -168,16 +171,6 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   if (seeded) {
     predictAllreduce(seed);
   }
-  for (const auto& module : model_->modules(/*include_self=*/true)) {
-    hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
-  }
-  if (hasSyncBatchNorm_ && options_.planner.minLocalBatch < 1) {
-    // SyncBatchNorm's collectives run in forward: a rank without samples would skip
-    // them while the others wait. Every rank keeps at least one sample in every step.
-    options_.planner.minLocalBatch = 1;
-    HDDP_LOG_SHARED("train", comm.rank(),
-                    "SyncBatchNorm: every rank gets at least one sample per step");
-  }
   if (options_.balance) {
     planner_ = std::make_unique<BatchPlanner>(
         comm_, PlannerOptions(options_.globalBatch, options_.planner),
@@ -195,11 +188,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
     recovery_ = std::make_unique<OutOfMemoryRecovery>(comm_, *ddp_, planner_.get(), rollback_.get(),
                                                       device_, options_.planner.minLocalBatch);
   }
-  LoaderOptions& lo = options_.loader;
-  lo.device = device_;
-  lo.seed = options_.seed;
-  lo.sampler.seed = options_.seed;
-  lo.sampler.minLocalBatch = std::max(lo.sampler.minLocalBatch, options_.planner.minLocalBatch);
+  const LoaderOptions& lo = options_.loader;  // its device and seeds: resolveOptions'
   loader_ = std::make_unique<PrefetchLoader>(std::move(train), rank, lo);
   timer_ = options_.stepTimer ? options_.stepTimer(device_) : makeStepTimer(device_);
   HDDP_CHECK_AS(ConfigError, timer_ != nullptr, "TrainerOptions::stepTimer returned no timer");
@@ -353,6 +342,7 @@ bool Trainer::stoppedEarly() const { return impl_->run_.stoppedEarly; }
 BatchPlan Trainer::plan() const { return impl_->currentPlan(); }
 GradScaler& Trainer::scaler() { return *impl_->scaler_; }
 PrefetchLoader& Trainer::loader() { return *impl_->loader_; }
-const TrainerOptions& Trainer::options() const { return impl_->options_; }
+const TrainerOptions& Trainer::options() const { return impl_->given_; }
+const TrainerOptions& Trainer::resolvedOptions() const { return impl_->options_; }
 
 }  // namespace hddp

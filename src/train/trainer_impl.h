@@ -130,6 +130,9 @@ class Trainer::Impl {
   ForwardFn forward_;
   LossFn loss_;
   torch::optim::Optimizer& optimizer_;
+  const TrainerOptions given_;  // as the program gave them (Trainer::options())
+  // As the Trainer runs them: resolveOptions(given_), then its later decisions (the
+  // compression Auto chose, the one a state file brought back).
   TrainerOptions options_;
   c10::Device device_;
   // The launcher's protocol (elastic.h): sample log, progress mark, job record, commits.

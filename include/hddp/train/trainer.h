@@ -199,6 +199,46 @@ struct TrainerOptions {
   }
 };
 
+/// What resolveOptions takes besides the options: facts about this rank that the Trainer
+/// finds (its device, whether the device has native bf16, the launcher's commit folder,
+/// the model).
+struct RankFacts {
+  /// The rank's device (its model's).
+  c10::Device device = c10::Device(c10::kCPU);
+  /// With amp = Bf16: whether bf16 falls back to float32 where it is not native
+  /// (TrainerOptions::bf16Fallback, else HDDP_BF16_FALLBACK), and whether the device has
+  /// it natively and why (hddp/topology/topology.h: bf16Support).
+  bool bf16Fallback = true;
+  bool bf16Native = true;
+  std::string bf16Why;
+  /// An elastic job's commit folder (LaunchInfo::elasticDir; empty: not an elastic job).
+  std::string elasticDir;
+  /// The model has a SyncBatchNorm.
+  bool hasSyncBatchNorm = false;
+};
+
+/// What was decided, and why (for the log).
+struct ResolvedOptions {
+  TrainerOptions options;
+  struct Note {
+    bool warn = false;  // a warning on this rank; otherwise information, said once
+    std::string text;
+  };
+  std::vector<Note> notes;
+};
+
+/// The options as the Trainer runs them, from the options given and the rank's facts; no
+/// input or output of its own (tested alone: tests/train/resolve_options_test.cpp):
+/// - saveDir: the elastic job's commit folder when none is given;
+/// - amp: Bf16 becomes Off where bf16 is not native and falls back;
+/// - ddp.compression: Auto becomes None with ZeRO (each bucket goes to its owner whole);
+/// - planner.minLocalBatch: at least 1 with SyncBatchNorm (its collectives run in
+///   forward, so every rank needs a sample in every step);
+/// - loader: the device, the seeds (TrainerOptions::seed) and the sampler's minimum share.
+/// Later decisions (the compression `Auto` chooses from the seed's timing, the one a state
+/// file brings back) are the Trainer's: Trainer::resolvedOptions().
+ResolvedOptions resolveOptions(TrainerOptions given, const RankFacts& facts);
+
 /// Thread safety: one thread drives a Trainer (construction, fit, save, load, the
 /// accessors); its schedule and evaluation callbacks run on that thread, and it runs
 /// its own loader threads. Ownership: it keeps references to the communicator and the
@@ -266,7 +306,11 @@ class Trainer {
   BatchPlan plan() const;
   GradScaler& scaler();
   PrefetchLoader& loader();
+  /// The options as given to the constructor.
   const TrainerOptions& options() const;
+  /// The options as the Trainer runs them: resolveOptions() of the given ones, then the
+  /// compression `Auto` chose and the one a loaded state file brought back.
+  const TrainerOptions& resolvedOptions() const;
 
   class Impl;
 

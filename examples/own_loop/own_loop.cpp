@@ -15,6 +15,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -126,10 +127,16 @@ int64_t readCommit(torch::serialize::InputArchive& a, Net& model, torch::optim::
   at::Tensor b;
   a.read("budget", b);
   b = b.to(torch::kDouble).contiguous();
-  budget = {b[0].item<double>(), b[1].item<double>(), static_cast<int64_t>(b[2].item<double>()),
-            static_cast<int64_t>(b[3].item<double>())};
+  TORCH_CHECK(b.numel() == 4, "the commit's budget entry holds ", b.numel(), " numbers, not 4");
+  const double* v = b.data_ptr<double>();
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(std::isfinite(v[i]) && v[i] >= 0 && v[i] < 9.0e18,
+                "the commit's budget entry holds ", v[i]);
+  }
+  budget = {v[0], v[1], static_cast<int64_t>(v[2]), static_cast<int64_t>(v[3])};
   at::Tensor epoch;
   a.read("epoch", epoch);
+  TORCH_CHECK(epoch.numel() == 1 && epoch.item<int64_t>() >= 0, "the commit's epoch is not one");
   return epoch.item<int64_t>();
 }
 

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 
 #include "hddp/comm/exchange.h"
@@ -71,8 +72,13 @@ std::optional<int64_t> Commits::resume(const Read& read) {
         stepIn(archive, *it);
         chosen = *it;
       } catch (const StateError& e) {
-        HDDP_LOG_WARN("train", "skipping the damaged commit ", *it, ": ",
-                      e.what_without_backtrace());
+        // Kept for a look, out of the commits' way: counted among them, damaged newer
+        // files would make the pruning after the next commit delete that commit.
+        const std::string aside = *it + ".damaged";
+        const bool moved = std::rename(it->c_str(), aside.c_str()) == 0;
+        HDDP_LOG_WARN("train", "skipping the damaged commit ", *it, " (",
+                      moved ? "moved to " + aside : std::string("left where it is"),
+                      "): ", e.what_without_backtrace());
       }
     }
     HDDP_CHECK_AS(StateError, files.empty() || !chosen.empty(), "every commit in ", dir_,
@@ -94,7 +100,16 @@ std::optional<int64_t> Commits::resume(const Read& read) {
     train::loadArchive(archive, readStateFile(chosen), "commit " + chosen, c10::Device(c10::kCPU));
     step = stepIn(archive, chosen);
   });
-  agreeOutcome<StateError>(comm_, "loading the commit " + chosen, [&] { read(archive); });
+  agreeOutcome<StateError>(comm_, "loading the commit " + chosen, [&] {
+    try {
+      read(archive);
+    } catch (const StateError&) {
+      throw;
+    } catch (...) {  // what `read` or LibTorch refused: the commit does not fit, on any rank
+      rethrowIfOutOfMemory();
+      HDDP_THROW(StateError, "loading the commit ", chosen, " failed: ", currentFailure().message);
+    }
+  });
   HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", chosen, " at step ", step);
   return step;
 }

@@ -103,8 +103,15 @@ bool OutOfMemoryRecovery::run(const std::function<void()>& forwardAndBackward) {
       c10::getDeviceAllocator(device_.type())->emptyCache();
     }
     mine_ = e.what_without_backtrace();
-    HDDP_CHECK(ddp_.abandonStep(), "rank ", comm_.rank(), " ran out of memory after its ",
-               "gradients were sent (", mine_, "); this cannot be retried");
+    if (!ddp_.abandonStep()) {
+      // Too late to give up: every gradient was sent, DDP finished the step, and it stands
+      // with the same sums on every rank (throwing here, on this rank alone, would leave
+      // the others in their next collective).
+      HDDP_LOG_WARN("train", "rank ", comm_.rank(), " ran out of memory after its gradients were ",
+                    "all sent (", mine_, "): the step stands");
+      mine_.clear();
+      return true;
+    }
     return false;
   }
 }

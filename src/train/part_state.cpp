@@ -44,7 +44,8 @@ bool writePartStatesOrError(OutputArchive& archive, const std::vector<TrainerPar
       out.write("version_" + name, at::tensor(static_cast<int64_t>(version)));
     }
   } catch (...) {
-    rethrowIfOutOfMemory();
+    // Whatever it is, running out of memory too: rank 0 is before the ranks' allgather
+    // here, and the writers' agreement fails every rank with it (part_state.h).
     const std::string why =
         "a part of the Trainer could not give its state on rank 0: " + currentFailure().message;
     archive.write(kError, bytesTensor(std::vector<uint8_t>(why.begin(), why.end())));
@@ -127,7 +128,15 @@ std::vector<std::string> partStatesNow(const std::vector<SavedPartState>& saved)
 
 void applyPartStates(const std::vector<SavedPartState>& saved) {
   for (const auto& s : saved) {
-    s.part->loadState(s.bytes, s.version);
+    try {
+      s.part->loadState(s.bytes, s.version);
+    } catch (...) {
+      // Of one kind on every rank (the load's agreement keeps a StateError's kind): the
+      // part refused what the file holds for it.
+      rethrowIfOutOfMemory();
+      HDDP_THROW(StateError, "the part '", s.part->name(), "' refused its state (version ",
+                 s.version, "): ", currentFailure().message);
+    }
   }
 }
 

@@ -24,8 +24,8 @@ class TrainerPart;
 namespace train {
 
 /// Writes the parts that have a state into `archive` (nothing when none has one); when a
-/// part's stateVersion() or saveState() throws, its message instead (it throws nothing
-/// itself but running out of memory).
+/// part's stateVersion() or saveState() throws (running out of memory too), its message
+/// instead: it throws nothing itself.
 /// Returns false when it wrote the message.
 bool writePartStatesOrError(OutputArchive& archive, const std::vector<TrainerPart*>& parts);
 /// A writer, before it writes the file: throws the StateError a part's failure on rank 0
@@ -50,7 +50,8 @@ std::vector<SavedPartState> readPartStates(InputArchive& archive,
 
 /// Each part's state now (saveState()), to put back with restorePartStates.
 std::vector<std::string> partStatesNow(const std::vector<SavedPartState>& saved);
-/// Loads each saved state into its part, in order.
+/// Loads each saved state into its part, in order; a part's refusal is a StateError
+/// naming it (running out of memory passes as it is).
 void applyPartStates(const std::vector<SavedPartState>& saved);
 /// Puts back what partStatesNow() returned (after a load that failed on some rank); a
 /// part that refuses its own state is logged and left as it is.

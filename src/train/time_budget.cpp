@@ -36,6 +36,14 @@ void TimeBudget::start(int64_t step) {
 }
 
 void TimeBudget::resume(const Account& saved, int64_t step) {
+  HDDP_CHECK_AS(StateError,
+                std::isfinite(saved.seconds) && saved.seconds >= 0 &&
+                    std::isfinite(saved.evaluationSeconds) && saved.evaluationSeconds >= 0 &&
+                    saved.startStep >= 0 && saved.endStep >= 0 && saved.startStep <= step,
+                "TimeBudget::resume: the account (", saved.seconds, " s, ", saved.evaluationSeconds,
+                " s evaluating, steps ", saved.startStep, " to ", saved.endStep,
+                ") is not one a budget of step ", step,
+                " saved; resume from another state, or start afresh");
   secondsBefore_ = saved.seconds;
   evaluationSeconds_ = saved.evaluationSeconds;
   startStep_ = saved.startStep;

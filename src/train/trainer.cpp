@@ -80,6 +80,8 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   for (const auto& note : resolved.notes) {
     if (note.warn) {
       HDDP_LOG_WARN("train", "rank ", comm.rank(), " ", note.text);
+    } else if (note.everyRank) {
+      HDDP_LOG_INFO("train", "rank ", comm.rank(), " ", note.text);
     } else {
       HDDP_LOG_SHARED("train", comm.rank(), note.text);
     }

@@ -20,26 +20,30 @@ ResolvedOptions resolveOptions(TrainerOptions given, const RankFacts& facts) {
       // point of bf16 is speed: train in float32 and say so.
       o.amp = AmpMode::Off;
       out.notes.push_back(
-          {true, c10::str("on ", facts.device.str(), ": bf16 asked for, but ", facts.bf16Why,
-                          ": bf16 would be emulated (slower than float32), so "
-                          "this rank trains in float32 (HDDP_BF16_FALLBACK=0 "
-                          "keeps bf16)")});
+          {true, true,
+           c10::str("on ", facts.device.str(), ": bf16 asked for, but ", facts.bf16Why,
+                    ": bf16 would be emulated (slower than float32), so "
+                    "this rank trains in float32 (HDDP_BF16_FALLBACK=0 "
+                    "keeps bf16)")});
     } else {
       out.notes.push_back(
-          {false, c10::str("on ", facts.device.str(), ": bf16 natively (", facts.bf16Why, ")")});
+          {false, true,
+           c10::str("on ", facts.device.str(), ": bf16 natively (", facts.bf16Why, ")")});
     }
   }
   if (o.zero > 0 && o.ddp.compression == GradCompression::Auto) {
     o.ddp.compression = GradCompression::None;  // buckets go to their owners whole
-    out.notes.push_back({false, c10::str("ZeRO-", o.zero,
-                                         ": gradient compression is off (each bucket is "
-                                         "reduced to its owner)")});
+    out.notes.push_back({false, false,
+                         c10::str("ZeRO-", o.zero,
+                                  ": gradient compression is off (each bucket is "
+                                  "reduced to its owner)")});
   }
   if (facts.hasSyncBatchNorm && o.planner.minLocalBatch < 1) {
     // SyncBatchNorm's collectives run in forward: a rank without samples would skip them
     // while the others wait. Every rank keeps at least one sample in every step.
     o.planner.minLocalBatch = 1;
-    out.notes.push_back({false, "SyncBatchNorm: every rank gets at least one sample per step"});
+    out.notes.push_back(
+        {false, false, "SyncBatchNorm: every rank gets at least one sample per step"});
   }
   LoaderOptions& lo = o.loader;
   lo.device = facts.device;

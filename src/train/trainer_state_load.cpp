@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <new>
@@ -217,6 +218,18 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
     loadArchive(archive, payload, "state file " + path, c10::Device(c10::kCPU));
     loaded.meta = decode(readTensor(archive, "meta", path), path);
     loaded.meta.progress = readProgress(archive, path);
+    const StateMeta::Progress& g = loaded.meta.progress;
+    // The time budget's account as TimeBudget::resume takes it, checked now: before
+    // anything changes.
+    HDDP_CHECK_AS(StateError,
+                  !g.present || (std::isfinite(g.budgetSeconds) && g.budgetSeconds >= 0 &&
+                                 std::isfinite(g.budgetEvaluationSeconds) &&
+                                 g.budgetEvaluationSeconds >= 0 && g.budgetStartStep >= 0 &&
+                                 g.budgetStartStep <= loaded.meta.step && g.budgetSteps >= 0),
+                  "state file ", path, ": its time budget's account (", g.budgetSeconds, " s, ",
+                  g.budgetEvaluationSeconds, " s evaluating, steps ", g.budgetStartStep, " to ",
+                  g.budgetSteps, ") is not one hddp saves at step ", loaded.meta.step,
+                  "; resume from an earlier state file");
     HDDP_CHECK_AS(StateError, loaded.meta.globalBatch == globalBatch, "state file ", path,
                   " was saved with global batch ", loaded.meta.globalBatch, "; this job uses ",
                   globalBatch, ". Resume with the same global batch.");
@@ -298,26 +311,31 @@ LoadedState loadState(const StateParts& parts, const std::string& fileOrDirector
   if (parts.partlyLoaded) {
     *parts.partlyLoaded = true;
   }
-  agreeLoadStep(parts.comm, path, [&] {
-    const StateParts adopted = adoptSavedCompression(parts, archive, path);
-    loaded.compression = adopted.compression;
-    applyOwnPart(adopted, own, from, meta.worldSize);
-    applyModelAndOptimizer(parts, shared, path);
-    at::Tensor order;
-    if (parts.ddp && archive.try_read("ddp_order", order)) {
-      std::vector<std::string> names;
-      std::istringstream lines(tensorBytes(order));
-      for (std::string name; std::getline(lines, name);) {
-        names.push_back(name);
+  try {
+    agreeLoadStep(parts.comm, path, [&] {
+      const StateParts adopted = adoptSavedCompression(parts, archive, path);
+      loaded.compression = adopted.compression;
+      applyOwnPart(adopted, own, from, meta.worldSize);
+      applyModelAndOptimizer(parts, shared, path);
+      at::Tensor order;
+      if (parts.ddp && archive.try_read("ddp_order", order)) {
+        std::vector<std::string> names;
+        std::istringstream lines(tensorBytes(order));
+        for (std::string name; std::getline(lines, name);) {
+          names.push_back(name);
+        }
+        if (!parts.ddp->setBucketOrder(names)) {
+          // PowerSGD's memories are per parameter: they still fit where the shapes do.
+          HDDP_LOG_SHARED("train", parts.comm.rank(), path,
+                          ": its bucket order does not name this model's parameters; DDP keeps "
+                          "its own");
+        }
       }
-      if (!parts.ddp->setBucketOrder(names)) {
-        // PowerSGD's memories are per parameter: they still fit where the shapes do.
-        HDDP_LOG_SHARED("train", parts.comm.rank(), path,
-                        ": its bucket order does not name this model's parameters; DDP keeps "
-                        "its own");
-      }
-    }
-  });
+    });
+  } catch (...) {
+    restorePartStates(partStates, partsBefore);  // the program's objects, reused or not
+    throw;
+  }
   return loaded;
 }
 

@@ -57,17 +57,19 @@ TEST(OwnLoop, AnUnequalSplitAndAnOutOfMemoryRecoveryTrainAsTheTrainerDoes) {
   hddp::testing::removeTree(dir);
 }
 
+// Three epochs of 4 steps: the commit of step 4 falls on the first epoch's end, the kill
+// in the second epoch, and the run ends with the epochs (no --max-steps).
 TEST(OwnLoop, AKilledRunResumesFromItsNewestCommitAndEndsAsAStraightRun) {
   const std::string dir = hddp::testing::makeTempDir();
-  const auto straight = runCommand(
-      hddpRun("HDDP_LOG_LEVEL=warn", "", "--max-steps 12 --save-params " + dir + "/straight.pt"));
+  const std::string job = "--samples 128 --epochs 3 ";
+  const auto straight =
+      runCommand(hddpRun("HDDP_LOG_LEVEL=warn", "", job + "--save-params " + dir + "/straight.pt"));
   ASSERT_EQ(straight.exitCode, 0) << straight.output;
   // Rank 1 is killed before step 7; hddp-run restarts the job, which resumes from the
   // commit of step 4 (steps 5 and 6 are trained again, nothing is skipped).
-  const auto killed =
-      runCommand(hddpRun("HDDP_LOG_LEVEL=info HDDP_FAULT='kill@step=7,rank=1'", "--max-restarts 1",
-                         "--max-steps 12 --save-dir " + dir +
-                             "/ckpt --save-every 4 --save-params " + dir + "/killed.pt"));
+  const auto killed = runCommand(hddpRun(
+      "HDDP_LOG_LEVEL=info HDDP_FAULT='kill@step=7,rank=1'", "--max-restarts 1",
+      job + "--save-dir " + dir + "/ckpt --save-every 4 --save-params " + dir + "/killed.pt"));
   ASSERT_EQ(killed.exitCode, 0) << killed.output;
   EXPECT_NE(killed.output.find("resumed from " + dir + "/ckpt/commit-00000004.hddp"),
             std::string::npos)

@@ -52,9 +52,9 @@ class Commits {
   std::string save(int64_t step, const Write& write);
 
   /// Collective. The newest commit of the folder that reads whole (a damaged newer one is
-  /// skipped, and the log says so), chosen by rank 0 and read by every rank; `read` takes
-  /// its archive on every rank and runs no collective. Returns the commit's step, or
-  /// nullopt when the folder holds no commit (or does not exist). An hddp::StateError on
+  /// skipped and renamed <file>.damaged, and the log says so), chosen by rank 0 and read by every
+  /// rank; `read` takes its archive on every rank and runs no collective. Returns the commit's
+  /// step, or nullopt when the folder holds no commit (or does not exist). An hddp::StateError on
   /// every rank when every commit is damaged, when a rank cannot read the chosen file
   /// (the folder must be one that every rank sees), or when `read` throws on some rank
   /// (what `read` changed before it threw is the caller's to undo).

@@ -79,9 +79,9 @@ class OutOfMemoryRecovery {
   /// Runs the step's forward and backward. When it runs out of memory
   /// (c10::OutOfMemoryError), empties the device's cache, gives DDP's step up
   /// (abandonStep: zeros go out for the gradients not sent, so the other ranks' step
-  /// completes) and returns false; true when it ran. An hddp::Error when the error came
-  /// after the step's gradients were all sent (the step cannot be given up); any other
-  /// exception passes.
+  /// completes) and returns false; true when it ran, and when the error came after the
+  /// step's gradients were all sent (DDP then finishes the step, which stands on every
+  /// rank; the log says so). Any other exception passes.
   bool run(const std::function<void()>& forwardAndBackward);
 
   /// On every rank after the step's collectives were waited for (comm.synchronize()):

@@ -28,14 +28,19 @@
 //   allgather at its start, before it resumes) and fails every rank with a ConfigError
 //   naming the first difference otherwise.
 // - Every hook is called on every rank at the same point of the loop, so a hook may run
-//   collectives of its own, the same ones on every rank. A step given up after running
+//   collectives of its own, the same ones on every rank; such a hook agrees its own
+//   failures before its collectives (hddp/comm/exchange.h: agreeOutcome), since a rank
+//   that throws first would not meet the others there. saveState() and loadState() run
+//   no collective (rank 0 alone saves; every rank loads). A step given up after running
 //   out of memory is trained again: its schedule and beforeStep run again for it.
 // - What a hook asks of the loop (stop the run, save now) and a hook's exception are made
 //   every rank's at the next agreement: after each step when some part's
 //   agreesEachStep() is true (one 32-byte allreduce a step), else at the end of each
 //   epoch and of the fit (no collective a step: a step's requests act at the epoch's
 //   end). A hook's exception goes on until then, and then every rank throws, of the
-//   same kind (the rank that met it rethrows its own).
+//   same kind (the rank that met it rethrows its own). The Trainer is then where the
+//   failure found it, its step counted and its epoch's bookkeeping not: go on from the
+//   last state file with a new Trainer rather than save() this one.
 // - Hooks run on the training thread, one at a time, in the order the parts were added.
 #pragma once
 

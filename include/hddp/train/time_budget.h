@@ -50,7 +50,9 @@ class TimeBudget {
   /// its clock started now.
   void start(int64_t step);
   /// Continues a saved account (a launcher's restart of the same job) at `step`, its
-  /// clock started now: the seconds and the end carry on.
+  /// clock started now: the seconds and the end carry on. hddp::StateError, changing
+  /// nothing, for an account no budget saves (seconds negative or not finite, negative
+  /// steps, a start after `step`).
   void resume(const Account& saved, int64_t step);
   /// Starts the clock again, the account kept: time before it does not count (the
   /// Trainer calls it once its resume and output files are done).

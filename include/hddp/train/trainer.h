@@ -221,7 +221,8 @@ struct RankFacts {
 struct ResolvedOptions {
   TrainerOptions options;
   struct Note {
-    bool warn = false;  // a warning on this rank; otherwise information, said once
+    bool warn = false;       // a warning, else information
+    bool everyRank = false;  // each rank says it (its own device's), else rank 0 for all
     std::string text;
   };
   std::vector<Note> notes;

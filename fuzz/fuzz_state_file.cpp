@@ -129,8 +129,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!hddp::fuzz::refusedCleanly("Trainer::load", [&] { job().trainer->load(path); })) {
     renewJob();
   }
-  const std::string commit = hddp::fuzz::writeInput(
-      reinterpret_cast<const uint8_t*>(fixed.data()), fixed.size(), "commit-00000002.hddp");
+  const std::string commit = hddp::fuzz::writeInput(reinterpret_cast<const uint8_t*>(fixed.data()),
+                                                    fixed.size(), "commit-00000002.hddp");
   hddp::fuzz::refusedCleanly("Commits::resume", [&] {
     hddp::Commits commits(*job().comm, commit.substr(0, commit.rfind('/')));
     commits.resume([](torch::serialize::InputArchive&) {});

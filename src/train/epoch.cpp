@@ -15,15 +15,15 @@ namespace hddp {
 
 // The configuration a metrics file starts with (hddp-plot's title).
 nlohmann::json Trainer::Impl::runConfig() const {
-  const EmulationOptions& e = emulator_->options();
+  const EmulationOptions& e = balance_->emulator().options();
   nlohmann::json c{{"world_size", comm_.size()},
                    {"device", device_.str()},
                    {"backend", backendName(comm_.backend())},
                    {"global_batch", options_.globalBatch},
                    {"epochs", options_.epochs},
                    {"amp", ampModeName(options_.amp)},
-                   {"balance", planner_ != nullptr},
-                   {"compression", compressionName_},
+                   {"balance", balance_->planner() != nullptr},
+                   {"compression", compression_.name()},
                    {"zero", options_.zero},
                    {"shard_by", options_.zero > 0 ? describeShardBy(options_.shardBy) : "-"},
                    {"hddp", version()}};
@@ -75,8 +75,8 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   r.evaluation = evaluate();
   // A save asked now is made anyway (the epoch's state file, with a save folder).
   const EpochSummary ended{epoch_, epochSteps, step_, run_.lastTrainLoss, r.evaluation};
-  eachPart([&](TrainerPart& part) { part.onEpochEnd(ended, heldRequests_); });
-  agreeParts();
+  parts_.each([&](TrainerPart& part) { part.onEpochEnd(ended, parts_.requests()); });
+  parts_.agree(comm_, step_, !options_.saveDir.empty());
   ++summary.epochsCompleted;
   r.epoch = epoch_;
   r.epochs = options_.epochs;
@@ -91,7 +91,12 @@ void Trainer::Impl::endEpoch(Clock::time_point epochStart, int64_t epochSteps,
   reporter_.epoch(r);
 }
 
-Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& samples) {
+bool Trainer::Impl::runEnds() const {
+  return (options_.maxSteps > 0 && step_ >= options_.maxSteps) || budget_.reached(step_) ||
+         parts_.stopAsked();
+}
+
+Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary) {
   model_->train();
   if (thisEpoch_.midEpoch) {
     // The epoch's sums and steps so far came with the state (load()).
@@ -107,8 +112,7 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
   bool commitAtEpochEnd = false;  // a commit due at the epoch's last step
   bool stopAtEpochEnd = false;    // the run's end falls on the epoch's last step
   for (;;) {
-    if ((options_.maxSteps > 0 && step_ >= options_.maxSteps) || budget_.reached(step_) ||
-        partsStop_) {
+    if (runEnds()) {
       if (thisEpoch_.steps > 0 && loader_->stepsLeftInEpoch() == 0) {
         // The epoch is complete: end it (evaluation, its state) rather than save an
         // empty remainder that a resume would report and evaluate again.
@@ -129,11 +133,11 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
     if (!runStep(*batch)) {
       continue;  // a rank ran out of memory: the step is repeated under a new split
     }
-    samples += batch->share.globalBatch;
+    run_.samples += batch->share.globalBatch;
     ++thisEpoch_.steps;
     elastic_.stepDone(step_, step_ == run_.startStep + 1, comm_.rank(), batch->share.indices);
     budget_.afterStep(step_, loader_->stepsLeftInEpoch() == 0);  // collective every 10
-    if (partsSave_ ||
+    if (parts_.saveAfterStep() ||
         (options_.saveEvery > 0 ? step_ % options_.saveEvery == 0 : elastic_.commitDue(step_))) {
       if (loader_->stepsLeftInEpoch() == 0) {
         commitAtEpochEnd = true;  // saved once, as the epoch's end, below
@@ -154,7 +158,7 @@ Trainer::Impl::EpochEnd Trainer::Impl::runEpoch(TrainSummary& summary, int64_t& 
   if (commitAtEpochEnd) {
     elastic_.committed(comm_, step_, summary.lastStateFile, run_.lastSaveStart);
   }
-  if (partsStop_ && !stopAtEpochEnd) {  // a part asked at the epoch's end
+  if (parts_.stopAsked() && !stopAtEpochEnd) {  // a part asked at the epoch's end
     run_.stoppedEarly = epoch_ < options_.epochs;
     stopAtEpochEnd = true;
   }

@@ -45,39 +45,36 @@ bool Trainer::Impl::runStep(const Batch& batch) {
   if (schedule_) {
     schedule_(info, optimizer_);
   }
-  eachPart([&](TrainerPart& part) { part.beforeStep(info); });
+  parts_.each([&](TrainerPart& part) { part.beforeStep(info); });
   fault::at(fault::Point::Step, step_ + 1);  // HDDP_FAULT's step=N (hddp/core/fault.h)
   StepClock clock;
   clock.start = Clock::now();
-  timer_->start(StepLabel{step_, batch.share.localBatch, batch.bytes});
-  emulator_->beginStep(step_, batch.share.localBatch);  // an emulated slower card's marks
-  timer_->copySpan(batch.copyStarted, batch.copied);
-  memory_.beginStep();
+  balance_->beginStep(step_, batch);  // the timer, an emulated card's marks, the memory
   forwardAndBackward(batch, clock);
   // Every rank learns whether some rank abandoned the step (read with the last bucket).
   // The results must be readable on the host first: on a CPU device the optimizer reads
   // them there, and the status is a host read. On NCCL this is where the host waits for
   // the slower ranks' gradients: a communication wait, left out of the compute time.
   const bool readStatus = recovery_ != nullptr;
-  timer_->beginWait();
+  StepTimer& timer = balance_->timer();
+  timer.beginWait();
   if (readStatus || device_.is_cpu()) {
     comm_.synchronize();
   }
   const bool abandoned = readStatus && ddp_->lastStepAbandoned();
-  timer_->endWait();
+  timer.endWait();
   if (abandoned) {
     repeatStep(batch, clock.start);  // the timer's open step is dropped
     return false;
   }
-  eachPart([&](TrainerPart& part) { part.afterBackward(info); });
+  parts_.each([&](TrainerPart& part) { part.afterBackward(info); });
   const bool stepped = optimizerStep(batch, clock);
-  measureMemory(batch.share.localBatch);
-  const double compute = measureAndReplan();
+  const double compute = measureAndReplan(batch.share.localBatch);
   const double loss = report(batch, info, clock, compute, stepped);
   const StepEnd end{info, loss, stepped};
-  eachPart([&](TrainerPart& part) { part.afterOptimizerStep(end, heldRequests_); });
+  parts_.each([&](TrainerPart& part) { part.afterOptimizerStep(end, parts_.requests()); });
   // Agreed now when a part asks for it (one allreduce a step), else at the epoch's end.
-  partsSave_ = partsEachStep_ && agreeParts();
+  parts_.afterStep(comm_, step_, !options_.saveDir.empty());
   return true;
 }
 
@@ -115,10 +112,10 @@ void Trainer::Impl::forwardAndBackward(const Batch& batch, StepClock& clock) {
         autocast.emplace(device_.type(), options_.amp == AmpMode::Bf16 ? at::kBFloat16 : at::kHalf);
       }
       at::Tensor output = forward_(batch.input);
-      emulator_->checkMemory(local);
+      balance_->emulator().checkMemory(local);
       lastStep_.loss = loss_(output, batch.target);
     }
-    emulator_->endForward();  // a slower card's forward: nothing overlaps it
+    balance_->emulator().endForward();  // a slower card's forward: nothing overlaps it
     clock.forwardEnd = Clock::now();
     timeline_.add("forward", clock.start, clock.forwardEnd, step_, Track::Training, local);
     scaler_->scale(lastStep_.loss).backward();
@@ -176,65 +173,32 @@ bool Trainer::Impl::optimizerStep(const Batch& batch, StepClock& clock) {
     ddp_->putBackStepBuffers();  // and their weight in the next sync
   }
   scaler_->update();
-  timer_->stop();  // on a device: an event after the optimizer's kernels, read later
+  balance_->timer().stop();  // on a device: an event after the optimizer's kernels, read later
   clock.end = Clock::now();
   timeline_.add("optimizer", clock.backwardEnd, clock.end, step_);
   return stepped;
 }
 
-// This step's memory: for the metrics, the peaks, and the planner's memory caps.
-void Trainer::Impl::measureMemory(int64_t local) {
-  lastStep_.memory = memory_.endStep(local);
+// This step's memory (for the metrics, the peaks, the planner's memory caps) and this
+// rank's compute seconds (time waiting for communication left out; an emulated slower
+// card adds what it has not slept already), given to the planner, which may re-split the
+// next steps. Returns the newest compute seconds (0: none yet).
+double Trainer::Impl::measureAndReplan(int64_t localBatch) {
+  lastStep_.memory = balance_->endStepMemory(localBatch);
   thisEpoch_.peakMemory = std::max(thisEpoch_.peakMemory, lastStep_.memory.peak());
   run_.peakMemory = std::max(run_.peakMemory, lastStep_.memory.peak());
-  if (planner_ && local > 0) {
-    planner_->recordMemory(lastStep_.memory.observation(local));
-  }
-}
-
-// This rank's compute seconds (time waiting for communication left out; an emulated
-// slower card or link adds here what its marks in forward and before each bucket have
-// not slept already, hddp/balance/emulation.h), given to the planner, which may re-split
-// the next steps. The step timer hands over the steps it has finished measuring: this
-// one on the host clock, usually the previous one with device events. Returns the
-// newest compute seconds (0: none yet).
-double Trainer::Impl::measureAndReplan() {
   for (const auto& bucket : ddp_->lastStepBucketTimes()) {
     timeline_.add("allreduce", bucket.launched, bucket.completed, step_, Track::Communication,
                   bucket.bytes);
   }
-  // Collect, then record: the emulator gives each timing as the emulated card would
-  // have (sleeping its extra time), else as measured.
-  double compute = 0.0;
-  double transfer = 0.0;
-  double emulated = 0.0;
-  for (const StepTiming& timing : timer_->collect()) {
-    const auto e0 = Clock::now();
-    const Emulator::Measured measured = emulator_->measure(timing);
-    if (emulator_->active() && timing.label.samples > 0) {
-      timeline_.add("emulated delay", e0, Clock::now(), timing.label.step);
-    }
-    compute = measured.computeSeconds;
-    transfer = measured.measurement.transferSeconds;
-    emulated += measured.emulatedSeconds;
-    if (planner_) {
-      planner_->record(measured.measurement);
-    }
+  const train::Balancing::Measured measured = balance_->measureAndReplan(timeline_, step_);
+  lastStep_.transferSeconds = measured.transferSeconds;
+  lastStep_.emulatedSeconds = measured.emulatedSeconds;
+  lastStep_.newPlan = measured.newPlan;
+  if (measured.newPlan) {
+    loader_->setPlan(currentPlan());
   }
-  lastStep_.transferSeconds = transfer;
-  lastStep_.emulatedSeconds = emulated;
-  lastStep_.newPlan = false;
-  if (planner_) {
-    const auto p0 = Clock::now();
-    lastStep_.newPlan = planner_->endStep();
-    if (planner_->lastExchangeSeconds() > 0) {
-      timeline_.add("plan exchange", p0, Clock::now(), step_, Track::Communication);
-    }
-    if (lastStep_.newPlan) {
-      loader_->setPlan(planner_->plan());
-    }
-  }
-  return compute;
+  return measured.computeSeconds;
 }
 
 double Trainer::Impl::report(const Batch& batch, const StepInfo& info, const StepClock& clock,
@@ -259,24 +223,21 @@ double Trainer::Impl::report(const Batch& batch, const StepInfo& info, const Ste
   r.computeSeconds = compute;
   r.commWaitSeconds = ddp_->lastStepStats().waitSeconds;
   const auto& powerSgd = ddp_->powerSgdState();
-  r.predictedAllreduceSeconds = powerSgd && !powerSgd->compressing()
-                                    ? predictedPlainAllreduceSeconds_
-                                    : predictedAllreduceSeconds_;
+  r.predictedAllreduceSeconds =
+      compression_.predictedSeconds(/*compressing=*/!powerSgd || powerSgd->compressing());
   r.transferSeconds = lastStep_.transferSeconds;
   r.emulatedSeconds = lastStep_.emulatedSeconds;
   r.lossScale = scaler_->isEnabled() ? scaler_->currentScale() : 1.0;
-  r.learningRate = learningRateOf(optimizer_, learningRateUnknown_);
+  r.learningRate = learningRateOf(optimizer_, lastStep_.learningRateUnknown);
   r.stepped = stepped;
   r.plan = batch.share.plan.local;
+  const BatchPlanner* planner = balance_->planner();
   if (lastStep_.newPlan) {
-    r.newPlan = planner_->plan().local;
+    r.newPlan = planner->plan().local;
   }
-  r.planExchangeSeconds = planner_ ? planner_->lastExchangeSeconds() : 0.0;
+  r.planExchangeSeconds = planner ? planner->lastExchangeSeconds() : 0.0;
   r.memory = lastStep_.memory;
-  if (planner_) {
-    const int64_t cap = planner_->memoryCaps()[static_cast<size_t>(comm_.rank())];
-    r.memoryCap = cap == std::numeric_limits<int64_t>::max() ? -1 : cap;
-  }
+  r.memoryCap = balance_->memoryCap();
   r.optimizerStateBytes = optimizerStateBytes(optimizer_);
   reporter_.step(r);
   return r.loss;

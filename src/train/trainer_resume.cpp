@@ -31,7 +31,7 @@ void Trainer::Impl::resumeForFit() {
   // since is never trained again.
   if (options_.resumeOnRestart && !options_.saveDir.empty() && (restarts > 0 || agentJob)) {
     // The same job's own commit: its time budget goes on (not a --resume of another run).
-    budgetCarry_ = options_.timeBudgetSeconds > 0;
+    run_.budgetCarry = options_.timeBudgetSeconds > 0;
     run_.restarted = true;
     train::LoadOptions newest;
     newest.keep = true;  // a folder without the commit keeps the copy it receives
@@ -54,13 +54,13 @@ void Trainer::Impl::resumeForFit() {
   // counts whatever job wrote it (the user named it), unless it was just searched so.
   const bool searchedWhole = run_.restarted && !agentJob;
   if (!resumed && !resume.empty() && !(searchedWhole && resumeIsSaveDir)) {
-    budgetCarry_ = false;
+    run_.budgetCarry = false;
     run_.restarted = restarts > 0;
     train::LoadOptions given;
     given.keep = resumeIsSaveDir;
     resumed = load(resume, given);
   }
-  budgetCarry_ = false;
+  run_.budgetCarry = false;
   run_.restarted = false;
   if (restarts == 0 && !resumed && !resume.empty() && !resumeIsSaveDir &&
       !options_.saveDir.empty() && !listStateFiles(options_.saveDir).empty()) {

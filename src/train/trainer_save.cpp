@@ -18,15 +18,17 @@
 namespace hddp {
 
 train::StateParts Trainer::Impl::stateParts() {
-  train::StateParts parts{comm_,     device_,        *model_,         optimizer_,
-                          *scaler_,  planner_.get(), elastic_.slot(), ddp_->powerSgdState().get(),
+  train::StateParts parts{comm_,           device_,
+                          *model_,         optimizer_,
+                          *scaler_,        balance_->planner(),
+                          elastic_.slot(), ddp_->powerSgdState().get(),
                           ddp_.get()};
-  parts.compression = compressionName_;
-  parts.adoptCompression = compressionChosen_ ? &options_.ddp.powerSgd : nullptr;
+  parts.compression = compression_.name();
+  parts.adoptCompression = compression_.chosen() ? &options_.ddp.powerSgd : nullptr;
   parts.runId = elastic_.runId();
   parts.folders = &saveFolders_;
   parts.sharded = sharded_.get();
-  parts.trainerParts = partPointers();
+  parts.trainerParts = parts_.pointers();
   return parts;
 }
 
@@ -61,6 +63,14 @@ std::string Trainer::Impl::save() {
       train::saveState(stateParts(), meta, sampler, options_.saveDir, options_.keepLast);
   timeline_.add("save", t0, Clock::now(), step_);
   return path;
+}
+
+// A commit: the state file, then its elastic part (train::ElasticRun::committed,
+// elastic.h).
+void Trainer::Impl::commit(TrainSummary& summary) {
+  summary.lastStateFile = saveMidEpoch();
+  run_.lastSaved = step_;
+  elastic_.committed(comm_, step_, summary.lastStateFile, run_.lastSaveStart);
 }
 
 std::string Trainer::Impl::saveMidEpoch() {
@@ -116,7 +126,7 @@ bool Trainer::Impl::load(const std::string& fileOrDirectory, const train::LoadOp
   thisEpoch_.lossSum = thisEpoch_.midEpoch && comm_.rank() == 0 ? progress.epochLossSum : 0.0;
   thisEpoch_.samples = thisEpoch_.midEpoch && comm_.rank() == 0 ? progress.epochSamples : 0;
   thisEpoch_.steps = thisEpoch_.midEpoch ? progress.epochSteps : 0;
-  if (budgetCarry_ && progress.present) {
+  if (run_.budgetCarry && progress.present) {
     // A restart of the same job: the budget and the schedule go on where they were.
     budget_.resume({progress.budgetSeconds, progress.budgetEvaluationSeconds,
                     progress.budgetStartStep, progress.budgetSteps},
@@ -129,17 +139,18 @@ bool Trainer::Impl::load(const std::string& fileOrDirectory, const train::LoadOp
   // model); a saved plan that breaks one is re-solved at once. On a launcher's restart
   // the same command line comes back: a cap learned since (out of memory) is lower and
   // stays.
-  if (run_.restarted && planner_) {
-    const std::vector<int64_t> saved = planner_->memoryCaps();
+  BatchPlanner* planner = balance_->planner();
+  if (run_.restarted && planner) {
+    const std::vector<int64_t> saved = planner->memoryCaps();
     for (int r = 0; r < comm_.size() && static_cast<size_t>(r) < options_.maxLocalBatch.size();
          ++r) {
       const int64_t given = options_.maxLocalBatch[static_cast<size_t>(r)];
       if (given > 0 && given < saved[static_cast<size_t>(r)]) {
-        planner_->setMemoryCap(r, given);
+        planner->setMemoryCap(r, given);
       }
     }
   } else {
-    applyGivenMemoryCaps();
+    balance_->applyGivenMemoryCaps(options_);
   }
   HDDP_LOG_SHARED("train", comm_.rank(), "resumed from ", loaded.path, " at step ", step_,
                   ", epoch ", epoch_,

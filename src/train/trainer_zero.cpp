@@ -25,7 +25,7 @@ void Trainer::Impl::shardOptimizer() {
     case ShardBy::Kind::Memory: {
       // What is free now, with the model on the device and before any gradient or
       // optimizer state: what the shard (and the activations) will live in.
-      const double free = memory_.freeBytes();
+      const double free = balance_->memory().freeBytes();
       // Stage 1 keeps a buffer for every gradient on every rank: that is not free for
       // the shard. Nor is a step's working set: about four of the larger of a bucket
       // and the largest tensor (a bucket being reduced while the next fills, the

@@ -1,7 +1,7 @@
 // The process supervision behind hddp-run (internal): the ranks of one group, their
 // output, their ends. launcher.cpp runs groups one after another (--max-restarts),
 // elastic.cpp in generations over slots (--nproc-per-node MIN:MAX). group.cpp holds the
-// bodies.
+// bodies, group_io.cpp the process helpers and the ranks' input and output.
 #pragma once
 
 #include <sys/types.h>

@@ -1,8 +1,10 @@
-// GradCompression::Auto: the Trainer prices none, fp16 / bf16 and PowerSGD at ranks 4 and
-// 1 over the job's slowest link against the backward they can hide behind
-// (hddp/balance/compression_model.h), with PowerSGD's compute timed on every rank's
-// device, and builds DDP with the choice. Every rank decides from the same exchanged
-// figures, so every rank makes the same choice.
+// The compression choice (train/compression_choice.h). GradCompression::Auto prices none,
+// fp16 / bf16 and PowerSGD at ranks 4 and 1 over the job's slowest link against the
+// backward they can hide behind (hddp/balance/compression_model.h), with PowerSGD's
+// compute timed on every rank's device; the Trainer switches DDP to the choice. Every
+// rank decides from the same exchanged figures, so every rank makes the same choice.
+#include "train/compression_choice.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -14,9 +16,9 @@
 #include "hddp/comm/exchange.h"
 #include "hddp/core/logging.h"
 #include "hddp/ddp/power_sgd.h"
-#include "train/trainer_impl.h"
+#include "train/trainer_state.h"
 
-namespace hddp {
+namespace hddp::train {
 
 namespace {
 
@@ -47,7 +49,7 @@ CompressionSpec specOf(const DdpOptions& ddp, int gradientBytes = 4) {
 
 }  // namespace
 
-GradCompression train::gradCompressionOf(const CompressionSpec& spec) {
+GradCompression gradCompressionOf(const CompressionSpec& spec) {
   switch (spec.kind) {
     case CompressionSpec::Kind::Fp16:
       return GradCompression::Fp16;
@@ -61,26 +63,26 @@ GradCompression train::gradCompressionOf(const CompressionSpec& spec) {
   return GradCompression::None;
 }
 
-std::string train::compressionName(const DdpOptions& ddp) {
+std::string compressionName(const DdpOptions& ddp) {
   return ddp.commHook ? "hook" : specOf(ddp).name();
 }
 
-GradientLayout Trainer::Impl::gradientLayout() const {
+GradientLayout gradientLayoutOf(torch::nn::Module& model, const DdpOptions& ddp) {
   GradientLayout layout;
-  for (const auto& p : uniqueParameters(*model_)) {
+  for (const auto& p : uniqueParameters(model)) {
     if (p.requires_grad()) {
       layout.shapes.push_back(p.sizes().vec());
       layout.elementBytes = static_cast<int>(p.element_size());
     }
   }
-  layout.firstBucketBytes = static_cast<double>(options_.ddp.firstBucketBytes);
-  layout.bucketCapBytes = static_cast<double>(options_.ddp.bucketCapBytes);
+  layout.firstBucketBytes = static_cast<double>(ddp.firstBucketBytes);
+  layout.bucketCapBytes = static_cast<double>(ddp.bucketCapBytes);
   return layout;
 }
 
-void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
-                                       const EmulationOptions& emulation) {
-  const GradientLayout layout = gradientLayout();
+void CompressionChoice::choose(Communicator& comm, c10::Device device,
+                               const std::vector<RankCost>& seed, const GradientLayout& layout,
+                               TrainerOptions& options, double linkLatencySeconds) {
   const AllreducePrediction slowest = hddp::predictAllreduce(seed, layout.bytes());
   // What each rank adds to the seed: its PowerSGD compute at ranks 4 and 1 (NaN: the
   // timing failed there), whether it computes in bf16, and its emulated latency. Every
@@ -89,26 +91,26 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
   const int powerSgdRanks[kPowerSgdRanks] = {4, 1};
   std::array<double, kPowerSgdRanks + 2> mine{};
   for (size_t k = 0; k < kPowerSgdRanks; ++k) {
-    if (comm_.size() == 1) {
+    if (comm.size() == 1) {
       continue;  // nothing is sent
     }
-    PowerSgdOptions o = options_.ddp.powerSgd;
+    PowerSgdOptions o = options.ddp.powerSgd;
     o.rank = powerSgdRanks[k];
     try {
-      mine[k] = timePowerSgdCompute(layout.shapes, o, device_);
+      mine[k] = timePowerSgdCompute(layout.shapes, o, device);
     } catch (const std::exception& e) {
       // Told to every rank through the exchange below, so that none waits for this one.
       mine[k] = std::numeric_limits<double>::quiet_NaN();
-      HDDP_LOG_WARN("ddp", "rank ", comm_.rank(), ": timing PowerSGD at rank ", powerSgdRanks[k],
-                    " on ", device_.str(), " failed (", e.what(),
+      HDDP_LOG_WARN("ddp", "rank ", comm.rank(), ": timing PowerSGD at rank ", powerSgdRanks[k],
+                    " on ", device.str(), " failed (", e.what(),
                     "): --compress auto leaves PowerSGD out");
     }
   }
-  mine[kPowerSgdRanks] = options_.amp == AmpMode::Bf16 ? 1.0 : 0.0;
-  mine[kPowerSgdRanks + 1] = emulation.linkLatencySeconds;
+  mine[kPowerSgdRanks] = options.amp == AmpMode::Bf16 ? 1.0 : 0.0;
+  mine[kPowerSgdRanks + 1] = linkLatencySeconds;
   std::array<double, kPowerSgdRanks + 2> all{};
   all[kPowerSgdRanks] = 1.0;
-  for (const auto& theirs : allgatherValue(comm_, mine)) {
+  for (const auto& theirs : allgatherValue(comm, mine)) {
     for (size_t k = 0; k < kPowerSgdRanks; ++k) {
       all[k] = std::isnan(theirs[k]) || std::isnan(all[k]) ? theirs[k] + all[k]
                                                            : std::max(all[k], theirs[k]);
@@ -117,14 +119,14 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
     all[kPowerSgdRanks + 1] = std::max(all[kPowerSgdRanks + 1], theirs[kPowerSgdRanks + 1]);
   }
   LinkBudget link;
-  link.ranks = comm_.size();
+  link.ranks = comm.size();
   link.bytesPerSecond = slowest.slowestLinkBytesPerSecond;
   link.latencySeconds = all[kPowerSgdRanks + 1];
   // The backward the buckets can hide behind: the slowest rank's at the first split
   // (the planner's from the seed, else the equal split).
-  const BatchPlan plan = options_.balance && options_.seedPlan
-                             ? solveSplit(seed, options_.globalBatch)
-                             : equalSplit(comm_.size(), options_.globalBatch);
+  const BatchPlan plan = options.balance && options.seedPlan
+                             ? solveSplit(seed, options.globalBatch)
+                             : equalSplit(comm.size(), options.globalBatch);
   for (size_t r = 0; r < seed.size(); ++r) {
     link.backwardSeconds =
         std::max(link.backwardSeconds,
@@ -143,8 +145,8 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
         continue;
       }
       compute = all[k];
-      spec.minCompressionRate = options_.ddp.powerSgd.minCompressionRate;
-      const c10::ScalarType wire = options_.ddp.powerSgd.wireType;
+      spec.minCompressionRate = options.ddp.powerSgd.minCompressionRate;
+      const c10::ScalarType wire = options.ddp.powerSgd.wireType;
       spec.factorBytes = wire == c10::ScalarType::Undefined
                              ? layout.elementBytes  // the gradients' own type
                              : static_cast<int>(c10::elementSize(wire));
@@ -152,61 +154,58 @@ void Trainer::Impl::resolveCompression(const std::vector<RankCost>& seed,
     candidates.push_back(priceCompression(compressionTraffic(spec, layout), layout, link, compute));
   }
   const CompressionDecision d = chooseCompression(candidates, link);
-  options_.ddp.compression = train::gradCompressionOf(d.chosen.spec);
-  if (options_.ddp.compression == GradCompression::PowerSgd) {
-    options_.ddp.powerSgd.rank = d.chosen.spec.rank;
+  options.ddp.compression = train::gradCompressionOf(d.chosen.spec);
+  if (options.ddp.compression == GradCompression::PowerSgd) {
+    options.ddp.powerSgd.rank = d.chosen.spec.rank;
   }
   // The same figures give the same choice; a rank of another build could still differ.
   const auto choices = allgatherValue(
-      comm_,
-      static_cast<int32_t>(static_cast<int>(d.chosen.spec.kind) * 1000 + d.chosen.spec.rank));
+      comm, static_cast<int32_t>(static_cast<int>(d.chosen.spec.kind) * 1000 + d.chosen.spec.rank));
   for (size_t r = 1; r < choices.size(); ++r) {
     HDDP_CHECK(choices[r] == choices[0], "--compress auto: rank ", r,
                " chose otherwise than rank 0 from the same figures; every rank must run the "
                "same hddp build");
   }
+  name_ = compressionName(options.ddp);
+  chosen_ = true;
   HDDP_LOG_SHARED(
-      "ddp", comm_.rank(), "--compress auto chose ", d.why,
+      "ddp", comm.rank(), "--compress auto chose ", d.why,
       left.empty() ? std::string() : "; left out (timing failed): " + left,
       d.chosen.spec.kind == CompressionSpec::Kind::PowerSgd
-          ? "; PowerSGD starts at step " + std::to_string(options_.ddp.powerSgd.startStep)
+          ? "; PowerSGD starts at step " + std::to_string(options.ddp.powerSgd.startStep)
           : std::string());
 }
 
-void Trainer::Impl::adoptCompression(const std::string& name) {
-  if (name.empty() || name == compressionName_) {
-    return;
+bool CompressionChoice::adopt(const std::string& name, DdpOptions& ddp) {
+  if (name.empty() || name == name_) {
+    return false;
   }
-  compressionName_ = name;
+  name_ = name;
   if (name == "hook") {
-    return;
+    return false;
   }
   const CompressionSpec spec = CompressionSpec::parse(name, "the state file's compression");
-  options_.ddp.compression = train::gradCompressionOf(spec);
-  if (options_.ddp.compression == GradCompression::PowerSgd) {
-    options_.ddp.powerSgd.rank = spec.rank;
+  ddp.compression = gradCompressionOf(spec);
+  if (ddp.compression == GradCompression::PowerSgd) {
+    ddp.powerSgd.rank = spec.rank;
   }
-  if (!seedCosts_.empty()) {
-    predictAllreduce(seedCosts_);  // allreduce_predicted_s for what is sent now
-  }
+  return true;
 }
 
-void Trainer::Impl::predictAllreduce(const std::vector<RankCost>& seed) {
-  const GradientLayout layout = gradientLayout();
-  const CompressionCost traffic =
-      compressionTraffic(specOf(options_.ddp, layout.elementBytes), layout);
+void CompressionChoice::predict(int rank, const std::vector<RankCost>& seed,
+                                const GradientLayout& layout, const DdpOptions& ddp) {
+  const CompressionCost traffic = compressionTraffic(specOf(ddp, layout.elementBytes), layout);
   const AllreducePrediction p = hddp::predictAllreduce(seed, traffic.wireBytes);
-  predictedAllreduceSeconds_ = p.seconds;
-  predictedPlainAllreduceSeconds_ = hddp::predictAllreduce(seed, layout.bytes()).seconds;
-  if (predictedAllreduceSeconds_ > 0) {
-    HDDP_LOG_SHARED("balance", comm_.rank(), "gradient allreduce: ", traffic.wireBytes / 1e6,
-                    " MB (", compressionName_.empty() ? traffic.spec.name() : compressionName_,
-                    ") over the slowest link (rank ", p.slowestRank, ", ",
-                    p.slowestLinkBytesPerSecond / 1e9, " GB/s) takes ",
-                    predictedAllreduceSeconds_ * 1e3,
+  predicted_ = p.seconds;
+  predictedPlain_ = hddp::predictAllreduce(seed, layout.bytes()).seconds;
+  if (predicted_ > 0) {
+    HDDP_LOG_SHARED("balance", rank, "gradient allreduce: ", traffic.wireBytes / 1e6, " MB (",
+                    name_.empty() ? traffic.spec.name() : name_, ") over the slowest link (rank ",
+                    p.slowestRank, ", ", p.slowestLinkBytesPerSecond / 1e9, " GB/s) takes ",
+                    predicted_ * 1e3,
                     " ms per step (ring model); no split changes it, backward hides part of it "
                     "(metrics: allreduce_predicted_s next to the measured comm_wait_s)");
   }
 }
 
-}  // namespace hddp
+}  // namespace hddp::train

@@ -4,6 +4,7 @@
 
 #include <unordered_map>
 
+#include "ddp/batch_norm_layers.h"
 #include "ddp/bucketing.h"
 #include "ddp/coalesced.h"
 #include "ddp/ddp_impl.h"
@@ -31,6 +32,7 @@ DistributedDataParallel::Impl::Impl(std::shared_ptr<torch::nn::Module> module, C
                 "DdpOptions: set either compression or commHook, not both (compression is "
                 "a shorthand for commHook = compressedAllreduceHook(...))");
   installHook();
+  warnOfLocalBatchNorm();
   std::unordered_map<const void*, std::string> seen;  // tied parameters: counted once
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const void* identity = item.value().unsafeGetTensorImpl();
@@ -144,6 +146,32 @@ void DistributedDataParallel::Impl::installHook() {
   hook_ = std::move(hook);
   statusWire_ = at::Tensor();  // nothing of an earlier hook's status is left to copy back
   statusWork_ = Work();
+}
+
+// Plain BatchNorm in training mode under unequal shares: exactness lost without a word
+// unless this says so (DdpOptions::allowLocalBatchNorm).
+void DistributedDataParallel::Impl::warnOfLocalBatchNorm() const {
+  if (options_.allowLocalBatchNorm || comm_.size() < 2) {
+    return;
+  }
+  const auto names = ddp::localBatchNormLayers(*module_);
+  if (names.empty()) {
+    return;
+  }
+  std::string listed;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) {
+    listed += (i ? ", '" : "'") + names[i] + "'";
+  }
+  if (names.size() > 4) {
+    listed += ", ... (" + std::to_string(names.size()) + " in all)";
+  }
+  HDDP_LOG("ddp", comm_.rank() == 0 ? log::Level::Warn : log::Level::Debug, names.size(),
+           " torch::nn::BatchNorm layer(s) in training mode normalise each rank's own share (",
+           listed,
+           "): with unequal shares training is then not single-device training on the global "
+           "batch. Use hddp::SyncBatchNorm (hddp::convertSyncBatchNorm(*model, comm) before "
+           "wrapping the model), or set DdpOptions::allowLocalBatchNorm = true if per-rank "
+           "statistics are intended");
 }
 
 // With findUnusedParameters the ranks may use different parameters, so a bucket can be

@@ -100,6 +100,8 @@ class DistributedDataParallel::Impl {
   void registerHooks();
   /// hook_ (and powerSgd_, hookSumsWholeBuffer_) from options_.commHook / compression.
   void installHook();
+  /// At construction: the warning of DdpOptions::allowLocalBatchNorm.
+  void warnOfLocalBatchNorm() const;
   /// Weights each incoming gradient by b_i / B before it is accumulated, and marks the
   /// parameter ready after accumulation.
   void registerHook(int i);

@@ -126,6 +126,26 @@ SyncBatchNormImpl::SyncBatchNormImpl(SyncBatchNormOptions options, Communicator*
   reset();
 }
 
+namespace {
+
+SyncBatchNormOptions fromTorch(const torch::nn::BatchNormOptions& o) {
+  HDDP_CHECK_AS(ConfigError, o.momentum().has_value(),
+                "SyncBatchNorm: a BatchNorm momentum of nullopt (a cumulative moving average) "
+                "is not supported; give a momentum (torch's default is 0.1)");
+  SyncBatchNormOptions so(o.num_features());
+  so.eps = o.eps();
+  so.momentum = *o.momentum();
+  so.affine = o.affine();
+  so.trackRunningStats = o.track_running_stats();
+  return so;
+}
+
+}  // namespace
+
+SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options,
+                                     Communicator* communicator)
+    : SyncBatchNormImpl(fromTorch(options), communicator) {}
+
 void SyncBatchNormImpl::reset() {
   if (options_.affine) {
     weight = register_parameter("weight", torch::ones({options_.numFeatures}));
@@ -142,7 +162,7 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   HDDP_CHECK(input.dim() >= 2 && input.size(1) == options_.numFeatures,
              "SyncBatchNorm expects input (N, ", options_.numFeatures, ", ...), got ",
              input.sizes());
-  if (!is_training()) {
+  if (!is_training() && running_mean.defined()) {  // without running statistics: batch ones
     return torch::batch_norm(input, weight, bias, running_mean, running_var, false,
                              options_.momentum, options_.eps,
                              at::globalContext().userEnabledCuDNN());
@@ -153,94 +173,6 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   }
   return SyncBatchNormFunction::apply(input, weight, bias, running_mean, running_var, options_.eps,
                                       options_.momentum, reinterpret_cast<int64_t>(communicator_));
-}
-
-namespace {
-
-template <typename BN>
-bool tryConvert(torch::nn::Module& parent, const std::string& name,
-                const std::shared_ptr<torch::nn::Module>& child, Communicator& comm,
-                const std::string& fullName, std::vector<std::string>& converted,
-                std::vector<std::string>& refused) {
-  auto bn = std::dynamic_pointer_cast<BN>(child);
-  if (!bn) {
-    return false;
-  }
-  const auto& o = bn->options;
-  SyncBatchNormOptions so(o.num_features());
-  so.eps = o.eps();
-  so.momentum = o.momentum().value_or(0.1);
-  so.affine = o.affine();
-  so.trackRunningStats = o.track_running_stats();
-  // Owners: the registry, the named_children() copy being iterated, `child` and `bn`.
-  // More means a member field or a container calls this layer directly: a swap would
-  // not take effect there.
-  if (bn.use_count() > 4) {
-    refused.push_back(fullName);
-    return true;
-  }
-  SyncBatchNorm sync(so);
-  sync->setCommunicator(&comm);
-  {
-    torch::NoGradGuard g;
-    if (so.affine) {
-      sync->weight.copy_(bn->weight);
-      sync->bias.copy_(bn->bias);
-    }
-    if (so.trackRunningStats) {
-      sync->running_mean.copy_(bn->running_mean);
-      sync->running_var.copy_(bn->running_var);
-      sync->num_batches_tracked.copy_(bn->num_batches_tracked);
-    }
-  }
-  parent.replace_module(name, sync);
-  converted.push_back(fullName);
-  return true;
-}
-
-void convertRecursive(torch::nn::Module& module, const std::string& prefix, Communicator& comm,
-                      std::vector<std::string>& converted, std::vector<std::string>& refused) {
-  for (const auto& item : module.named_children()) {
-    const std::string full = prefix.empty() ? item.key() : prefix + "." + item.key();
-    std::shared_ptr<torch::nn::Module> child = item.value();
-    if (auto* sync = child->as<SyncBatchNormImpl>()) {
-      sync->setCommunicator(&comm);
-      continue;
-    }
-    if (tryConvert<torch::nn::BatchNorm1dImpl>(module, item.key(), child, comm, full, converted,
-                                               refused) ||
-        tryConvert<torch::nn::BatchNorm2dImpl>(module, item.key(), child, comm, full, converted,
-                                               refused) ||
-        tryConvert<torch::nn::BatchNorm3dImpl>(module, item.key(), child, comm, full, converted,
-                                               refused)) {
-      continue;
-    }
-    convertRecursive(*child, full, comm, converted, refused);
-  }
-}
-
-}  // namespace
-
-std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module,
-                                              Communicator& communicator) {
-  std::vector<std::string> converted;
-  std::vector<std::string> refused;
-  convertRecursive(module, "", communicator, converted, refused);
-  if (!refused.empty()) {
-    std::string names;
-    for (size_t i = 0; i < refused.size() && i < 6; ++i) {
-      names += (i ? ", '" : "'") + refused[i] + "'";
-    }
-    HDDP_THROW(ConfigError, "cannot convert BatchNorm layer(s) ", names,
-               refused.size() > 6 ? " and more" : "",
-               " to SyncBatchNorm: the model also holds them outside its module registry (a member "
-               "field or a "
-               "Sequential/ModuleList), so its forward would keep calling the old layers. Build "
-               "the model with "
-               "hddp::SyncBatchNorm instead. (",
-               converted.size(), " layer(s) were converted.)");
-  }
-  return converted;
 }
 
 }  // namespace hddp

@@ -164,7 +164,7 @@ struct ByNameImpl : torch::nn::Module {
 };
 TORCH_MODULE(ByName);
 
-TEST(SyncBatchNorm, ConverterSwapsRegistryOnlyLayersAndRefusesHeldOnes) {
+TEST(SyncBatchNorm, ConverterSwapsRegistryAndSequentialLayersAndRefusesFieldHeldOnes) {
   runThreads(1, [](int rank, int size, hddp::Store& store) {
     auto comm = hddp::makeCommunicator(store, rank, size);
     ByName byName;
@@ -178,12 +178,17 @@ TEST(SyncBatchNorm, ConverterSwapsRegistryOnlyLayersAndRefusesHeldOnes) {
     ASSERT_NE(sync, nullptr);
     EXPECT_TRUE(sync->running_mean.equal(torch::full({3}, 0.5f)));
     torch::nn::Sequential seq(torch::nn::Conv2d(3, 3, 1), torch::nn::BatchNorm2d(3));
+    EXPECT_EQ(hddp::convertSyncBatchNorm(*seq, *comm), std::vector<std::string>{"1"});
+    EXPECT_NE(seq[1]->as<hddp::SyncBatchNormImpl>(), nullptr);
+    Net held(/*sync=*/false);  // its forward calls its member field `bn`
     try {
-      hddp::convertSyncBatchNorm(*seq, *comm);
+      hddp::convertSyncBatchNorm(*held, *comm);
       FAIL() << "expected a ConfigError";
     } catch (const hddp::ConfigError& e) {
-      EXPECT_NE(std::string(e.what_without_backtrace()).find("'1'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("'bn'"), std::string::npos)
+          << e.what();
     }
+    EXPECT_NE(held->named_children()["bn"]->as<torch::nn::BatchNorm2dImpl>(), nullptr);
   });
 }
 

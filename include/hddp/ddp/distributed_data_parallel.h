@@ -126,6 +126,13 @@ struct DdpOptions {
   bool gradientAsBucketView = true;
   /// Broadcast parameters and buffers from rank 0 at construction. Default true.
   bool broadcastOnConstruction = true;
+  /// Plain torch::nn::BatchNorm layers in training mode normalise each rank's own share,
+  /// so with unequal shares training is not single-device training on the global batch
+  /// (as with PyTorch DDP, where the shares are equal). On several ranks construction
+  /// warns once (on rank 0), naming them and hddp::SyncBatchNorm /
+  /// convertSyncBatchNorm, unless this says per-rank statistics are intended. Default
+  /// false (warn).
+  bool allowLocalBatchNorm = false;
   /// Allocate each bucket's buffer when its first gradient arrives instead of at
   /// construction. For ZeRO (hddp/ddp/sharded_optimizer.h), whose ranks keep the
   /// buffers of their own buckets only: set it so that no rank holds a buffer for every

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <torch/nn/cloneable.h>
+#include <torch/nn/options/batchnorm.h>
 #include <torch/nn/pimpl.h>
 
 #include <memory>
@@ -46,6 +47,12 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   explicit SyncBatchNormImpl(SyncBatchNormOptions options, Communicator* communicator = nullptr);
   explicit SyncBatchNormImpl(int64_t numFeatures)
       : SyncBatchNormImpl(SyncBatchNormOptions(numFeatures)) {}
+  /// From torch::nn::BatchNorm{1,2,3}dOptions, so that a member field declared
+  /// `torch::nn::BatchNorm2d bn` can be declared `hddp::SyncBatchNorm bn` with its
+  /// constructor argument unchanged. A momentum of nullopt (torch's cumulative moving
+  /// average) is a ConfigError: SyncBatchNorm keeps an exponential one.
+  explicit SyncBatchNormImpl(const torch::nn::BatchNormOptions& options,
+                             Communicator* communicator = nullptr);
 
   void reset() override;
   /// Input (N, C, ...) with C = numFeatures.
@@ -69,12 +76,25 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
 TORCH_MODULE(SyncBatchNorm);
 
 /// Attaches `communicator` to every SyncBatchNorm under `module`, and replaces every
-/// torch::nn::BatchNorm{1,2,3}d registered under it by a SyncBatchNorm with the same
-/// options, parameters and buffers; returns the names of the replaced layers. C++ models usually
-/// call their layers through member fields or a Sequential, which a registry swap cannot reach;
-/// when anything besides the registry still holds a BatchNorm, that layer is left alone and
-/// hddp::ConfigError names it (build the model with SyncBatchNorm instead, e.g. examples'
-/// ResNetOptions::syncBatchNorm).
+/// torch::nn::BatchNorm{1,2,3}d under it by a SyncBatchNorm with the same options,
+/// parameters, buffers, device, dtype, requires_grad and training mode; returns the
+/// registered names of the replaced layers. A layer is replaced where the model holds it:
+/// in its parent's module registry (register_module) and in each torch::nn::Sequential
+/// entry that holds the same object, so a Sequential's forward calls the SyncBatchNorm
+/// (pytorch/examples' dcgan discriminator, a ResNet's stages).
+///
+/// A member field typed torch::nn::BatchNorm2d (`bn = register_module("bn",
+/// torch::nn::BatchNorm2d(64));`) cannot be converted by any library: the field holds its
+/// own pointer, its type admits only torch's BatchNorm, and that forward is not virtual,
+/// so the model's `bn(x)` would keep running per-rank BatchNorm whatever the registry
+/// holds. Declare the field `hddp::SyncBatchNorm bn{nullptr};` instead (the same
+/// constructor argument, an int or a BatchNorm2dOptions, and the same state-dict names;
+/// without a communicator or on one rank it is plain BatchNorm); this function then
+/// attaches the communicator. When anything besides registries and Sequential entries
+/// still holds a BatchNorm (a field, a ModuleList, a std::vector, an AnyModule), or its
+/// momentum is nullopt, hddp::ConfigError names those layers and says this, and nothing
+/// is converted or attached. Call it before building DistributedDataParallel and the
+/// optimizer: they hold the parameters the conversion replaces.
 std::vector<std::string> convertSyncBatchNorm(torch::nn::Module& module,
                                               Communicator& communicator);
 

@@ -81,6 +81,11 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
                  "fc. for a new classifier head")
       ->needs(initFrom)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_flag("--init-allow-int-float", f.initAllowIntFloat,
+               "With --init-from: convert the file's integer tensors to the model's floating "
+               "point ones and back (truncating) instead of refusing; float16/float64 into "
+               "float32 are converted always, and logged")
+      ->needs(initFrom);
   app.add_option("--eval-every", f.evalEvery, "Evaluate every N epochs (the last always)")
       ->check(cli::positive())
       ->capture_default_str();

@@ -56,6 +56,7 @@ struct CommonFlags {
   std::string exportPath;             // --export: the model's state dict after training
   std::string initFrom;               // --init-from: a state dict to start from
   std::vector<std::string> initSkip;  // --init-skip: key prefixes left out of it
+  bool initAllowIntFloat = false;     // --init-allow-int-float: integer <-> float loads
   int64_t evalEvery = 1;
   int64_t evalBatch = 256;
   int threads = 0;

@@ -58,8 +58,12 @@ void loadInto(torch::nn::Module& model, const CommonFlags& f) {
                 keys.empty() ? std::string() : keys.front(), "'");
   LoadStateDictOptions options;
   options.skipPrefixes = f.initSkip;
+  options.allowIntegerFloatConversion = f.initAllowIntFloat;
   const auto result = loadStateDict(model, f.initFrom, options);
   HDDP_LOG_INFO("train", "--init-from ", f.initFrom, ": loaded ", result.loaded.size(), " tensors",
+                result.converted.empty()
+                    ? ""
+                    : ", " + std::to_string(result.converted.size()) + " of them converted",
                 skipped ? ", left " + std::to_string(skipped) + " out (--init-skip)" : "");
 }
 

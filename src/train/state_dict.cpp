@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "hddp/core/error.h"
+#include "hddp/core/logging.h"
 #include "train/torch_pickle.h"
 
 namespace hddp {
@@ -245,6 +246,38 @@ std::string listed(const std::vector<std::string>& keys) {
   return os.str();
 }
 
+// A dtype as Python writes it (torch.float16), what a user of these files knows.
+std::string pythonName(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return "float16";
+    case at::kFloat:
+      return "float32";
+    case at::kDouble:
+      return "float64";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kChar:
+      return "int8";
+    case at::kShort:
+      return "int16";
+    case at::kInt:
+      return "int32";
+    case at::kLong:
+      return "int64";
+    case at::kByte:
+      return "uint8";
+    case at::kBool:
+      return "bool";
+    default:
+      return c10::toString(t);
+  }
+}
+
+// Integers (bool among them), floating point, complex: a conversion between two of
+// these changes the values, not only their precision.
+int kindOf(at::ScalarType t) { return at::isComplexType(t) ? 2 : at::isFloatingType(t) ? 1 : 0; }
+
 bool skipped(const std::string& key, const std::vector<std::string>& prefixes) {
   for (const auto& p : prefixes) {
     if (key.rfind(p, 0) == 0) {
@@ -318,6 +351,29 @@ LoadStateDictResult loadStateDict(torch::nn::Module& module, const std::string& 
   }
   HDDP_CHECK_AS(StateError, misShaped.empty(), "state dict ", path,
                 " does not fit this model: mis-shaped ", listed(misShaped));
+  std::vector<std::string> changesKind;
+  for (const auto& [key, target] : targets) {
+    const auto found = file.find(key);
+    if (skipped(key, options.skipPrefixes) || found == file.end()) {
+      continue;
+    }
+    const at::ScalarType from = found->second.scalar_type();
+    const at::ScalarType to = target.scalar_type();
+    if (from != to) {
+      const std::string what = c10::str(key, " (", pythonName(from), " -> ", pythonName(to), ")");
+      result.converted.push_back(what);
+      if (kindOf(from) != kindOf(to)) {
+        changesKind.push_back(what);
+      }
+    }
+  }
+  HDDP_CHECK_AS(StateError, changesKind.empty() || options.allowIntegerFloatConversion,
+                "state dict ", path, ": converting ", listed(changesKind),
+                " to the model's dtype would cross between integer and floating point "
+                "(integers read as weights, or weights truncated to integers), which usually "
+                "means another model's or a quantized file. Check the file, or allow it with "
+                "LoadStateDictOptions::allowIntegerFloatConversion = true (the trainers' "
+                "--init-allow-int-float)");
   HDDP_CHECK_AS(StateError,
                 !options.strict || (result.missing.empty() && result.unexpected.empty()),
                 "state dict ", path, " does not fit this model:",
@@ -332,6 +388,10 @@ LoadStateDictResult loadStateDict(torch::nn::Module& module, const std::string& 
     }
     target.copy_(found->second.to(target.device(), target.scalar_type()));
     result.loaded.push_back(key);
+  }
+  if (!result.converted.empty()) {
+    HDDP_LOG_WARN("train", "state dict ", path, ": converted ", result.converted.size(),
+                  " tensor(s) to the model's dtype: ", listed(result.converted));
   }
   return result;
 }

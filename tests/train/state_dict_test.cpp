@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "hddp/core/error.h"
+#include "support/log_capture.h"
 #include "support/ranks.h"
 
 namespace {
@@ -124,6 +125,103 @@ TEST(StateDict, AFileThatDoesNotFitNamesTheKeysAndSkipPrefixesLeavesAHeadOut) {
   EXPECT_THROW(hddp::readStateDict(dir + "/junk.safetensors"), hddp::StateError);
   std::ofstream(dir + "/junk.pt") << "not a state dict";
   EXPECT_THROW(hddp::readStateDict(dir + "/junk.pt"), hddp::StateError);
+}
+
+// The model's state dict with some tensors in other dtypes, as a safetensors file.
+std::string writeWithDtypes(const torch::nn::Module& model, const std::string& path,
+                            const std::map<std::string, torch::Dtype>& dtypes) {
+  auto state = hddp::stateDictOf(model);
+  for (auto& [key, tensor] : state) {
+    const auto it = dtypes.find(key);
+    if (it != dtypes.end()) {
+      tensor = tensor.to(it->second);
+    }
+  }
+  hddp::writeStateDict(state, path);
+  return path;
+}
+
+// float16 and float64 files load into a float32 model, and the log says which keys
+// were converted, from and to what, in one warning of bounded length (#52 item 4).
+TEST(StateDict, ConvertedDtypesAreNamedInOneWarning) {
+  const std::string dir = hddp::testing::makeTempDir();
+  torch::manual_seed(4);
+  SmallNet source;
+  const std::string path =
+      writeWithDtypes(*source, dir + "/mixed.safetensors",
+                      {{"conv.weight", torch::kHalf}, {"conv.bias", torch::kDouble}});
+  SmallNet model;
+  hddp::LoadStateDictResult result;
+  {
+    hddp::testing::LogCapture capture;
+    result = hddp::loadStateDict(*model, path);
+    const auto warnings = capture.lines(hddp::log::Level::Warn, "converted");
+    ASSERT_EQ(warnings.size(), 1u);
+    EXPECT_NE(warnings[0].find("converted 2 tensor(s) to the model's dtype: 'conv.weight "
+                               "(float16 -> float32)', 'conv.bias (float64 -> float32)'"),
+              std::string::npos)
+        << warnings[0];
+    EXPECT_NE(warnings[0].find("mixed.safetensors"), std::string::npos) << warnings[0];
+  }
+  EXPECT_EQ(result.converted, (std::vector<std::string>{"conv.weight (float16 -> float32)",
+                                                        "conv.bias (float64 -> float32)"}));
+  EXPECT_EQ(model->conv->weight.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(model->conv->weight.equal(source->conv->weight.to(torch::kHalf).to(torch::kFloat)));
+  EXPECT_TRUE(model->fc->weight.equal(source->fc->weight));
+  // Ten converted keys: eight named, and the count.
+  torch::nn::Sequential deep;
+  for (int i = 0; i < 5; ++i) {
+    deep->push_back(torch::nn::Linear(2, 2));
+  }
+  hddp::saveStateDict(*deep, dir + "/deep.safetensors");
+  deep->to(torch::kDouble);
+  hddp::testing::LogCapture capture;
+  EXPECT_EQ(hddp::loadStateDict(*deep, dir + "/deep.safetensors").converted.size(), 10u);
+  const auto warnings = capture.lines(hddp::log::Level::Warn, "converted 10 tensor(s)");
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("'3.bias (float32 -> float64)', ... (10 in all)"), std::string::npos)
+      << warnings[0];
+  EXPECT_EQ(warnings[0].find("'4.weight"), std::string::npos) << warnings[0];
+}
+
+// An int32 fc.weight would be read as floats (or floats truncated into an integer
+// buffer): refused before anything is copied, naming the keys and both dtypes and the
+// option; loaded when asked.
+TEST(StateDict, IntegerToFloatAndFloatToIntegerAreRefusedUnlessAllowed) {
+  const std::string dir = hddp::testing::makeTempDir();
+  torch::manual_seed(5);
+  SmallNet source;
+  {
+    torch::NoGradGuard g;
+    source->fc->weight.copy_(torch::randint(-3, 4, {4, 3}));
+    source->bn->running_var.fill_(2.75);
+  }
+  const std::string path = writeWithDtypes(*source, dir + "/ints.safetensors",
+                                           {{"fc.weight", torch::kInt},
+                                            {"bn.num_batches_tracked", torch::kDouble},
+                                            {"conv.bias", torch::kDouble}});
+  SmallNet model;
+  const auto before = model->conv->weight.clone();
+  try {
+    hddp::loadStateDict(*model, path);
+    ADD_FAILURE() << "an int32 weight loaded into a float32 one without a word";
+  } catch (const hddp::StateError& e) {
+    const std::string m = e.what();
+    for (const char* part :
+         {"ints.safetensors", "'fc.weight (int32 -> float32)'",
+          "'bn.num_batches_tracked (float64 -> int64)'",
+          "LoadStateDictOptions::allowIntegerFloatConversion", "--init-allow-int-float"}) {
+      EXPECT_NE(m.find(part), std::string::npos) << part << " in " << m;
+    }
+    EXPECT_EQ(m.find("conv.bias"), std::string::npos) << m;  // float64 -> float32 is fine
+  }
+  EXPECT_TRUE(model->conv->weight.equal(before));  // nothing copied
+  hddp::LoadStateDictOptions allow;
+  allow.allowIntegerFloatConversion = true;
+  const auto result = hddp::loadStateDict(*model, path, allow);
+  EXPECT_EQ(result.converted.size(), 3u);
+  EXPECT_TRUE(model->fc->weight.equal(source->fc->weight));
+  EXPECT_TRUE(model->conv->weight.equal(source->conv->weight));
 }
 
 }  // namespace

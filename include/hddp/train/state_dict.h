@@ -54,10 +54,19 @@ struct LoadStateDictOptions {
   /// Keys starting with one of these are left out on both sides (fine-tuning with a
   /// new head: {"fc."}). Default none.
   std::vector<std::string> skipPrefixes;
+  /// Convert between integer (bool included), floating-point and complex dtypes, e.g.
+  /// the file's int32 'fc.weight' into the model's float32, or float into an int64
+  /// buffer (truncated). Default false: such a load is a StateError naming the keys and
+  /// both dtypes, before anything is copied. Conversions within a kind (float16 or
+  /// float64 into float32) are always made, and logged.
+  bool allowIntegerFloatConversion = false;
 };
 
 struct LoadStateDictResult {
   std::vector<std::string> loaded;
+  /// The loaded keys whose dtype differed from the model's, each as
+  /// "key (float16 -> float32)" (file -> model); loadStateDict logs them in one warning.
+  std::vector<std::string> converted;
   /// With strict = false: the module's keys the file lacks, and the file's keys the
   /// module lacks.
   std::vector<std::string> missing;
@@ -65,9 +74,14 @@ struct LoadStateDictResult {
 };
 
 /// Copies the file's tensors into the module's parameters and buffers (in place: DDP's
-/// hooks stay), converting dtype and device to the module's. hddp::StateError naming
-/// the file and the missing, unexpected or mis-shaped keys (up to 8 of each, with
-/// counts). A shape mismatch is an error even with strict = false.
+/// hooks stay), converting dtype and device to the module's. A tensor whose dtype is
+/// not the model's is named in one warning ("converted 2 tensor(s) to the model's dtype:
+/// 'fc.weight' (float16 -> float32), ..."; up to 8 keys with a count) and in
+/// LoadStateDictResult::converted; one whose conversion would cross between integer,
+/// floating-point and complex dtypes is refused unless
+/// LoadStateDictOptions::allowIntegerFloatConversion. hddp::StateError naming the file and
+/// the missing, unexpected, mis-shaped or refused keys (up to 8 of each, with counts),
+/// before anything is copied. A shape mismatch is an error even with strict = false.
 LoadStateDictResult loadStateDict(torch::nn::Module& module, const std::string& path,
                                   const LoadStateDictOptions& options = {});
 

@@ -146,6 +146,18 @@ void addConvNormRelu(nn::Sequential& seq, int64_t in, int64_t out, bool sync) {
 
 }  // namespace
 
+ResNetStem parseResNetStem(const std::string& name) {
+  if (name == "auto") {
+    return ResNetStem::Auto;
+  }
+  if (name == "cifar") {
+    return ResNetStem::Cifar;
+  }
+  HDDP_CHECK(name == "torchvision", "unknown ResNet stem '", name,
+             "'; use auto, cifar (3x3 conv, no max-pool) or torchvision (7x7/2 conv, max-pool)");
+  return ResNetStem::Torchvision;
+}
+
 bool isResNetArch(const std::string& arch) {
   for (const char* a :
        {"resnet9", "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}) {
@@ -163,6 +175,10 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
              "bad ResNet options: ", o.inChannels, " input channels, ", o.numClasses, " classes, ",
              o.imageSize, " px");
   checkpoint_ = o.checkpointActivations;
+  const bool cifar = o.arch == "resnet20" || o.arch == "resnet32" || o.arch == "resnet56";
+  HDDP_CHECK(!(o.stem == ResNetStem::Torchvision && (cifar || o.arch == "resnet9")),
+             "the torchvision stem is for resnet18, resnet34 and resnet50; ", o.arch,
+             " has its own 3x3 stem (use the auto or cifar stem)");
   if (o.arch == "resnet9") {
     buildResNet9(o);
     return;
@@ -171,7 +187,6 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
   std::vector<int64_t> widths;
   bool bottleneck = false;
   int64_t stemWidth = 64;
-  const bool cifar = o.arch == "resnet20" || o.arch == "resnet32" || o.arch == "resnet56";
   if (cifar) {
     const int64_t n = o.arch == "resnet20" ? 3 : o.arch == "resnet32" ? 5 : 9;
     blocks = {n, n, n};
@@ -183,7 +198,8 @@ ResNetImpl::ResNetImpl(const ResNetOptions& o) {
     widths = {64, 128, 256, 512};
     bottleneck = o.arch == "resnet50";
   }
-  const bool small = cifar || o.imageSize <= 64;
+  const bool small =
+      cifar || o.stem == ResNetStem::Cifar || (o.stem == ResNetStem::Auto && o.imageSize <= 64);
   const int64_t stemKernel = small ? 3 : 7;
   const int64_t stemStride = small ? 1 : 2;
   torchvision_ = !cifar;

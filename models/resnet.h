@@ -2,9 +2,9 @@
 //   CIFAR-style (He et al. 2016, section 4.2): ResNet-20/32/56, 3 stages of 16/32/64.
 //   ResNet-9 (Page 2018, the DAWNBench CIFAR-10 net) at a quarter of its width, for
 //   small images on CPUs: 8 conv layers, 2 residuals, max-pools.
-//   ImageNet-style: ResNet-18/34 (basic blocks), ResNet-50 (bottlenecks); with a CIFAR
-//   stem (3x3 conv, no max-pool) for inputs of 64 px or less, the ImageNet stem
-//   (7x7/2 conv + max-pool) otherwise.
+//   ImageNet-style: ResNet-18/34 (basic blocks), ResNet-50 (bottlenecks); by default
+//   with a CIFAR stem (3x3 conv, no max-pool) for inputs of 64 px or less, torchvision's
+//   ImageNet stem (7x7/2 conv + max-pool) otherwise; ResNetOptions::stem picks either.
 // Names. ResNet-18/34/50 have torchvision's structure and parameter names (conv1, bn1,
 // layer1.0.conv1, layer2.0.downsample.0, fc; v1.5 bottlenecks with the stride on the
 // 3x3 conv), so with the ImageNet stem a state dict loads both ways between them and
@@ -27,13 +27,31 @@
 namespace hddp {
 namespace models {
 
+/// The first layers of ResNet-18/34/50.
+enum class ResNetStem {
+  /// Cifar for images of 64 px or less, Torchvision above.
+  Auto,
+  /// A 3x3 stride-1 conv1 and no max-pool: small images keep their resolution.
+  Cifar,
+  /// torchvision's: a 7x7 stride-2 conv1 and a 3x3 stride-2 max-pool, so that a state
+  /// dict of torchvision.models.resnet18/34/50 loads unchanged, at any image size.
+  Torchvision,
+};
+
+/// "auto", "cifar" or "torchvision" (hddp::Error naming the choices otherwise).
+ResNetStem parseResNetStem(const std::string& name);
+
 struct ResNetOptions {
   /// resnet9, resnet20, resnet32, resnet56, resnet18, resnet34 or resnet50.
   std::string arch = "resnet18";
   int64_t inChannels = 3;
   int64_t numClasses = 10;
-  /// Input height/width; <= 64 selects the CIFAR stem for resnet18/34/50.
+  /// Input height/width; <= 64 selects the CIFAR stem for resnet18/34/50 under
+  /// ResNetStem::Auto.
   int64_t imageSize = 32;
+  /// ResNet-18/34/50's stem. Default Auto (by imageSize). ResNet-9/20/32/56 have their
+  /// own 3x3 stem: Torchvision is an error for them, Cifar and Auto the same.
+  ResNetStem stem = ResNetStem::Auto;
   /// Use hddp::SyncBatchNorm instead of torch::nn::BatchNorm2d (attach the
   /// communicator with hddp::convertSyncBatchNorm(*model, comm)). Default false.
   bool syncBatchNorm = false;

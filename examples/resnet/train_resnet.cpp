@@ -137,6 +137,7 @@ int run(int argc, char** argv) {
       "torchrun --no-python, Slurm or mpirun. Prints the test accuracy after every epoch.",
       "train_resnet"};
   std::string model = "resnet20";
+  std::string stem = "auto";
   std::string dataset = "fashion-mnist";
   std::string data;
   std::string testData;
@@ -154,6 +155,13 @@ int run(int argc, char** argv) {
                  "resnet9, resnet20, resnet32, resnet56, resnet18, resnet34, resnet50")
       ->check(CLI::IsMember(
           {"resnet9", "resnet20", "resnet32", "resnet56", "resnet18", "resnet34", "resnet50"}))
+      ->capture_default_str();
+  app.add_option("--stem", stem,
+                 "resnet18/34/50's first layers: cifar (3x3 conv, no max-pool), torchvision "
+                 "(7x7/2 conv and max-pool, as torchvision.models: its state dicts load with "
+                 "--init-from and --export's load into it unchanged) or auto (cifar for images "
+                 "of 64 px or less, torchvision above)")
+      ->check(CLI::IsMember({"auto", "cifar", "torchvision"}))
       ->capture_default_str();
   app.add_option("--dataset", dataset, "fashion-mnist, mnist, cifar10, folder or synthetic")
       ->check(CLI::IsMember({"fashion-mnist", "mnist", "cifar10", "folder", "synthetic"}))
@@ -191,6 +199,11 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
 
+  HDDP_CHECK_AS(
+      hddp::ConfigError,
+      stem != "torchvision" || model == "resnet18" || model == "resnet34" || model == "resnet50",
+      "--stem torchvision is for resnet18, resnet34 and resnet50; --model ", model,
+      " has its own 3x3 stem");
   auto ctx = ex::initRank(flags);
   ex::checkExportPath(flags, *ctx.communicator);
   const int threads = ex::applyThreads(flags, ctx);
@@ -204,6 +217,7 @@ int run(int argc, char** argv) {
   mo.inChannels = d.channels;
   mo.numClasses = d.classes;
   mo.imageSize = d.imageSize;
+  mo.stem = hddp::models::parseResNetStem(stem);
   mo.syncBatchNorm = syncBn;
   mo.checkpointActivations = flags.checkpointActivations;
   hddp::models::ResNet net(mo);

@@ -53,6 +53,38 @@ TEST(Models, ResNetShapesAndStems) {
   EXPECT_THROW(hddp::models::ResNet{bad}, hddp::Error);
 }
 
+// --stem: torchvision's 7x7/2 conv and max-pool at any image size (a torchvision state
+// dict loads into a trainer on 32 px images), the CIFAR 3x3 at any size; the CIFAR-only
+// ResNets refuse torchvision's.
+TEST(Models, ResNetStemOptionPicksEitherStemAtAnySize) {
+  for (const int64_t size : {28, 32, 96}) {
+    hddp::models::ResNetOptions o;
+    o.imageSize = size;
+    o.stem = hddp::models::ResNetStem::Torchvision;
+    hddp::models::ResNet tv(o);
+    const auto tvConv = tv->named_parameters()["conv1.weight"];
+    EXPECT_EQ(tvConv.sizes(), (std::vector<int64_t>{64, 3, 7, 7})) << size;
+    // 7x7/2 and the max-pool: a quarter of the side before layer1.
+    EXPECT_EQ(tv->forward(torch::randn({2, 3, size, size})).sizes(), (std::vector<int64_t>{2, 10}));
+    o.stem = hddp::models::ResNetStem::Cifar;
+    hddp::models::ResNet cifar(o);
+    EXPECT_EQ(cifar->named_parameters()["conv1.weight"].sizes(),
+              (std::vector<int64_t>{64, 3, 3, 3}))
+        << size;
+    o.stem = hddp::models::ResNetStem::Auto;
+    hddp::models::ResNet autoStem(o);
+    EXPECT_EQ(autoStem->named_parameters()["conv1.weight"].size(2), size <= 64 ? 3 : 7) << size;
+  }
+  EXPECT_EQ(hddp::models::parseResNetStem("torchvision"), hddp::models::ResNetStem::Torchvision);
+  EXPECT_THROW(hddp::models::parseResNetStem("imagenet"), hddp::Error);
+  for (const char* arch : {"resnet20", "resnet9"}) {
+    hddp::models::ResNetOptions o;
+    o.arch = arch;
+    o.stem = hddp::models::ResNetStem::Torchvision;
+    EXPECT_THROW(hddp::models::ResNet{o}, hddp::Error) << arch;
+  }
+}
+
 // ResNet-18/34/50 have torchvision's names and sizes, so state dicts go both ways
 // (tests/models/resnet_torchvision_test.py loads them into torchvision itself).
 TEST(Models, ImageNetResNetsHaveTorchvisionsNamesAndSizes) {

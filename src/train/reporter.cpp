@@ -1,6 +1,8 @@
 #include "train/reporter.h"
 
+#include <algorithm>
 #include <sstream>
+#include <utility>
 
 #include "hddp/balance/batch_plan.h"
 #include "hddp/core/logging.h"
@@ -16,6 +18,21 @@ std::string describePlan(const std::vector<int64_t>& local, int64_t global) {
   plan.local = local;
   plan.global = global;
   return plan.describe();
+}
+
+// The progress's epoch count and the steps of this epoch, with maxSteps ending the run
+// early: {epochs, stepsPerEpoch} when it does not.
+std::pair<int64_t, int64_t> progressTotals(const StepReport& r) {
+  if (r.maxSteps <= 0 || r.stepsPerEpoch <= 0) {
+    return {r.epochs, r.stepsPerEpoch};
+  }
+  const int64_t epochStart = r.step - (r.stepInEpoch + 1);  // global steps before this epoch
+  const int64_t inEpoch = std::clamp<int64_t>(r.maxSteps - epochStart, r.stepInEpoch + 1,
+                                              std::max(r.stepsPerEpoch, r.stepInEpoch + 1));
+  // The epoch the run ends in (0-based), counted from this one.
+  const int64_t stepsAfter = std::max<int64_t>(0, r.maxSteps - epochStart - r.stepsPerEpoch);
+  const int64_t lastEpoch = r.epoch + (stepsAfter + r.stepsPerEpoch - 1) / r.stepsPerEpoch;
+  return {std::min(r.epochs, lastEpoch + 1), std::min(r.stepsPerEpoch, inEpoch)};
 }
 
 }  // namespace
@@ -190,7 +207,8 @@ void Reporter::step(const StepReport& r) {
   if (r.dataWaitSeconds > 0.05 * r.stepSeconds && r.stepSeconds > 0) {
     extra << "  data wait " << static_cast<int>(100 * r.dataWaitSeconds / r.stepSeconds) << "%";
   }
-  progress_->step(r.epoch, r.epochs, r.stepInEpoch, r.stepsPerEpoch, r.loss, samplesPerSecond,
+  const auto [epochs, stepsThisEpoch] = progressTotals(r);
+  progress_->step(r.epoch, epochs, r.stepInEpoch, stepsThisEpoch, r.loss, samplesPerSecond,
                   extra.str());
 }
 
@@ -281,8 +299,10 @@ void Reporter::summary(const TrainSummary& s, const std::map<std::string, double
                         {"epochs_completed", s.epochsCompleted},
                         {"seconds", s.seconds},
                         {"samples_per_s", s.samplesPerSecond},
-                        {"train_loss", s.lastTrainLoss},
                         {"repeated_steps", s.repeatedSteps}};
+  // The last complete epoch's mean loss; null when no epoch completed (maxSteps or the
+  // time budget ended the run inside its first one), not a loss of 0.
+  record["train_loss"] = s.epochsCompleted > 0 ? nlohmann::json(s.lastTrainLoss) : nullptr;
   if (s.peakMemoryBytes > 0) {
     record["peak_memory_bytes"] = s.peakMemoryBytes;
   }

@@ -28,6 +28,7 @@ struct StepReport {
   int64_t step = 0;  // steps done, this one included
   int64_t stepInEpoch = 0;
   int64_t stepsPerEpoch = 0;
+  int64_t maxSteps = 0;  // the run's TrainerOptions::maxSteps (0: none); the progress honours it
   int64_t localBatch = 0;
   int64_t globalBatch = 0;
   double dataWaitSeconds = 0;

@@ -346,7 +346,10 @@ def summary_panel(ax, run):
     if s:
         lines.append(f"steps: {s['steps']} ({s['total_steps']} in all), epochs {s['epochs_completed']}")
         lines.append(f"time: {s['seconds']:.1f} s, {s['samples_per_s']:.1f} samples/s")
-        lines.append(f"final training loss: {s['train_loss']:.4f}")
+        if s.get("train_loss") is None:  # no epoch completed (--max-steps, the time budget)
+            lines.append("final training loss: none (no epoch completed)")
+        else:
+            lines.append(f"final training loss: {s['train_loss']:.4f}")
         for k, v in sorted(s.items()):
             if k.startswith("test") or k.startswith("val"):
                 lines.append(f"{k}: {v:.4f}")

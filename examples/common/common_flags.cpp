@@ -69,9 +69,12 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
       ->capture_default_str();
   app.add_option("--resume", f.resume,
                  "Resume from a state file, or the newest valid one in a directory");
-  app.add_option("--export", f.exportPath,
+  app.add_option("--export", f.exportPaths,
                  "After training, write the model's state dict here for Python: FILE.pt "
-                 "(torch.load(f, weights_only=True)) or FILE.safetensors");
+                 "(torch.load(f, weights_only=True)) or FILE.safetensors; several files "
+                 "repeated or comma-separated, e.g. --export model.pt,model.safetensors")
+      ->delimiter(',')
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   auto* initFrom =
       app.add_option("--init-from", f.initFrom,
                      "Start from this state dict (.pt from torch.save(model.state_dict(), f), or "
@@ -168,7 +171,9 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--device", f.device,
                  "This program's device: cpu, cuda or cuda:N (default: HDDP_DEVICE, which "
                  "hddp-run --devices sets, else cuda:<local rank> with CUDA, else cpu)");
-  app.add_option("--log-every", f.logEvery, "Progress lines and metrics every N steps")
+  app.add_option("--log-every", f.logEvery,
+                 "Progress lines every N steps (and at each epoch's last step); the --metrics "
+                 "file has a record of every step")
       ->check(cli::positive())
       ->capture_default_str();
   app.add_option("--progress", f.progress, "auto (a live bar on a terminal), lines or off")

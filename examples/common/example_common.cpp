@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -302,19 +303,34 @@ void installSchedule(Trainer& trainer, const CommonFlags& f, int64_t trainSample
   });
 }
 
+std::string userMessage(const std::string& what) {
+  // " [file.cpp:123]": what HDDP_CHECK appends; "hddp: " at the start and after ": "
+  // (an error passed on with a prefix of its own, "on rank 0: hddp: ...").
+  static const std::regex kLocation(R"( \[[A-Za-z0-9_.+-]+\.(cpp|cc|cxx|h|hpp):[0-9]+\])");
+  static const std::regex kPrefix(R"((^|: )(hddp: )+)");
+  const std::string unplaced = std::regex_replace(what, kLocation, "");
+  return std::regex_replace(unplaced, kPrefix, "$1");
+}
+
 int runMain(const char* program, const std::function<int()>& body) {
+  // The message once, without hddp's prefixes and source locations; the whole text in
+  // the debug log.
+  const auto report = [program](const char* kind, const std::string& what) {
+    HDDP_LOG_DEBUG("train", program, ": ", kind, what);
+    std::fprintf(stderr, "%s: %s%s\n", program, kind, userMessage(what).c_str());
+  };
   try {
     return body();
   } catch (const ConfigError& e) {
-    std::fprintf(stderr, "%s: configuration error: %s\n", program, e.what_without_backtrace());
+    report("configuration error: ", e.what_without_backtrace());
     return 2;
   } catch (const DataError& e) {
-    std::fprintf(stderr, "%s: data error: %s\n", program, e.what_without_backtrace());
+    report("data error: ", e.what_without_backtrace());
     return 2;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "%s: %s\n", program, e.what_without_backtrace());
+    report("", e.what_without_backtrace());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    report("", e.what());
   }
   return 1;
 }

@@ -53,10 +53,10 @@ struct CommonFlags {
   std::string saveDir;
   int64_t saveEvery = 0;
   std::string resume;
-  std::string exportPath;             // --export: the model's state dict after training
-  std::string initFrom;               // --init-from: a state dict to start from
-  std::vector<std::string> initSkip;  // --init-skip: key prefixes left out of it
-  bool initAllowIntFloat = false;     // --init-allow-int-float: integer <-> float loads
+  std::vector<std::string> exportPaths;  // --export: the model's state dict after training
+  std::string initFrom;                  // --init-from: a state dict to start from
+  std::vector<std::string> initSkip;     // --init-skip: key prefixes left out of it
+  bool initAllowIntFloat = false;        // --init-allow-int-float: integer <-> float loads
   int64_t evalEvery = 1;
   int64_t evalBatch = 256;
   int threads = 0;
@@ -159,17 +159,24 @@ void installEvaluation(Trainer& trainer, const CommonFlags& flags,
 /// without --init-from. A --resume'd state file, when there is one, replaces it.
 void initModelFrom(torch::nn::Module& model, const CommonFlags& flags, Communicator& comm);
 
-/// --export: rank 0 checks that it can write the file's folder, before any training;
+/// --export: rank 0 checks that it can write each file's folder, before any training;
 /// collective (a ConfigError on every rank when it cannot).
 void checkExportPath(const CommonFlags& flags, Communicator& comm);
 
-/// --export: rank 0 writes the model's state dict (.safetensors, else torch.save's .pt,
-/// by extension) after training; the other ranks do nothing.
+/// --export: rank 0 writes the model's state dict to each file (.safetensors, else
+/// torch.save's .pt, by extension) after training; the other ranks do nothing.
 void exportModel(const torch::nn::Module& model, const CommonFlags& flags, int rank);
 
 /// Runs `body`, turning hddp errors into a message on stderr naming the problem and
-/// an exit status (2 for configuration or data errors, 1 otherwise).
+/// an exit status (2 for configuration or data errors, 1 otherwise). The message is
+/// printed as userMessage() gives it after "PROGRAM: "; the whole text, source locations
+/// included, goes to the debug log (HDDP_LOG_LEVEL=debug).
 int runMain(const char* program, const std::function<int()>& body);
+
+/// An error's text as a user reads it: without hddp's "hddp: " prefixes (one per time
+/// the error was passed on, e.g. from rank 0 to the others) and without the source
+/// locations ("[state_dict.cpp:257]") that HDDP_CHECK appends.
+std::string userMessage(const std::string& what);
 
 }  // namespace examples
 }  // namespace hddp

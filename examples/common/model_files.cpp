@@ -1,5 +1,6 @@
 // The trainers' --export, --init-from and --init-skip (example_common.h): the model's
-// state dict to and from Python's files (hddp/train/state_dict.h).
+// state dict to and from Python's files (hddp/train/state_dict.h), and what to do when
+// a torchvision ResNet's stem does not fit the trainer's.
 #include <torch/nn/module.h>
 #include <unistd.h>
 
@@ -41,6 +42,50 @@ void onRankZero(Communicator& comm, const std::function<void()>& work) {
                 comm.rank() == 0 ? "" : "on rank 0: ", decided.message);
 }
 
+// When the file's and the model's conv1.weight are the two ResNet stems (torchvision's
+// 7x7 and the CIFAR 3x3 of the trainers' small images), what to do: the trainer's
+// --stem, or the two lines of Python that give torchvision's model the CIFAR stem.
+// "" for any other mismatch.
+std::string stemAdvice(const torch::nn::Module& model, const std::string& path) {
+  const auto parameters = model.named_parameters(/*recurse=*/true);
+  const auto* modelWeight = parameters.find("conv1.weight");
+  if (modelWeight == nullptr || modelWeight->dim() != 4) {
+    return "";
+  }
+  const auto file = readStateDict(path);
+  const auto it = file.find("conv1.weight");
+  if (it == file.end() || it->second.dim() != 4) {
+    return "";
+  }
+  const auto m = modelWeight->sizes();
+  const auto w = it->second.sizes();
+  const int64_t channels = m[1];
+  if (m[0] != w[0] || m[2] == w[2] || (m[2] != 3 && m[2] != 7) || (w[2] != 3 && w[2] != 7)) {
+    return "";
+  }
+  // A channel count that differs too: what the stem flags alone do not fix.
+  const std::string andChannels =
+      w[1] == channels
+          ? std::string()
+          : " (and --channels " + std::to_string(w[1]) + " or a dataset of " +
+                std::to_string(w[1]) + " channels: the file's conv1 takes " + std::to_string(w[1]) +
+                ", this model's " + std::to_string(channels) + ")";
+  if (m[2] == 3) {
+    return ". The file has torchvision's ResNet stem (a 7x7 stride-2 conv1 and a max-pool), "
+           "this model the CIFAR stem that the trainers use for images of 64 px or less (a 3x3 "
+           "stride-1 conv1, no max-pool). Either train with --stem torchvision" +
+           andChannels +
+           ", or give torchvision's model the CIFAR stem in Python before saving its state "
+           "dict: `model.conv1 = torch.nn.Conv2d(" +
+           std::to_string(channels) +
+           ", 64, 3, 1, 1, bias=False); model.maxpool = torch.nn.Identity()` (docs/train.md, "
+           "\"Take your model to Python\")";
+  }
+  return ". The file has the CIFAR stem (a 3x3 stride-1 conv1, no max-pool), this model "
+         "torchvision's (a 7x7 stride-2 conv1 and a max-pool): train with --stem cifar" +
+         andChannels;
+}
+
 void loadInto(torch::nn::Module& model, const CommonFlags& f) {
   const auto keys = stateDictKeys(model);
   size_t skipped = 0;
@@ -59,7 +104,16 @@ void loadInto(torch::nn::Module& model, const CommonFlags& f) {
   LoadStateDictOptions options;
   options.skipPrefixes = f.initSkip;
   options.allowIntegerFloatConversion = f.initAllowIntFloat;
-  const auto result = loadStateDict(model, f.initFrom, options);
+  LoadStateDictResult result;
+  try {
+    result = loadStateDict(model, f.initFrom, options);
+  } catch (const StateError& e) {
+    const std::string advice = stemAdvice(model, f.initFrom);
+    if (advice.empty()) {
+      throw;
+    }
+    HDDP_THROW(ConfigError, e.what_without_backtrace(), advice);
+  }
   HDDP_LOG_INFO("train", "--init-from ", f.initFrom, ": loaded ", result.loaded.size(), " tensors",
                 result.converted.empty()
                     ? ""
@@ -79,25 +133,31 @@ void initModelFrom(torch::nn::Module& model, const CommonFlags& f, Communicator&
 }
 
 void checkExportPath(const CommonFlags& f, Communicator& comm) {
-  if (f.exportPath.empty()) {
+  if (f.exportPaths.empty()) {
     return;
   }
   onRankZero(comm, [&] {
-    const auto slash = f.exportPath.find_last_of('/');
-    const std::string dir = slash == std::string::npos ? "." : f.exportPath.substr(0, slash + 1);
-    HDDP_CHECK_AS(ConfigError, ::access(dir.c_str(), W_OK) == 0, "--export ", f.exportPath,
-                  ": cannot write into ", dir, " (", std::strerror(errno),
-                  "); create the folder or name another file");
+    for (const auto& path : f.exportPaths) {
+      HDDP_CHECK_AS(ConfigError, !path.empty(),
+                    "--export: an empty file name (a doubled or trailing comma?)");
+      const auto slash = path.find_last_of('/');
+      const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+      HDDP_CHECK_AS(ConfigError, ::access(dir.c_str(), W_OK) == 0, "--export ", path,
+                    ": cannot write into ", dir, " (", std::strerror(errno),
+                    "); create the folder or name another file");
+    }
   });
 }
 
 void exportModel(const torch::nn::Module& model, const CommonFlags& f, int rank) {
-  if (f.exportPath.empty() || rank != 0) {
+  if (rank != 0) {
     return;
   }
-  saveStateDict(model, f.exportPath);
-  HDDP_LOG_INFO("train", "--export: wrote the model's state dict (", stateDictKeys(model).size(),
-                " tensors) to ", f.exportPath);
+  for (const auto& path : f.exportPaths) {
+    saveStateDict(model, path);
+    HDDP_LOG_INFO("train", "--export: wrote the model's state dict (", stateDictKeys(model).size(),
+                  " tensors) to ", path);
+  }
 }
 
 }  // namespace examples

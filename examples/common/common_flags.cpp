@@ -72,7 +72,8 @@ void addCommonFlags(CLI::App& app, CommonFlags& f) {
   app.add_option("--export", f.exportPaths,
                  "After training, write the model's state dict here for Python: FILE.pt "
                  "(torch.load(f, weights_only=True)) or FILE.safetensors; several files "
-                 "repeated or comma-separated, e.g. --export model.pt,model.safetensors")
+                 "repeated or comma-separated, e.g. --export model.pt,model.safetensors (so a "
+                 "path cannot hold a comma)")
       ->delimiter(',')
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   auto* initFrom =

@@ -154,6 +154,30 @@ void DistributedDataParallel::Impl::warnOfLocalBatchNorm() const {
   if (options_.allowLocalBatchNorm || comm_.size() < 2) {
     return;
   }
+  // A SyncBatchNorm declared as a field but never given this group's communicator
+  // (convertSyncBatchNorm attaches it) normalises each rank's own share too.
+  std::string detached;
+  size_t detachedCount = 0;
+  const auto noteDetached = [&](const torch::nn::Module& module, const std::string& name) {
+    const auto* sync = dynamic_cast<const SyncBatchNormImpl*>(&module);
+    if (sync != nullptr &&
+        (sync->communicator() == nullptr || sync->communicator()->size() != comm_.size())) {
+      if (detachedCount++ < 4) {
+        detached += (detached.empty() ? "'" : ", '") + name + "'";
+      }
+    }
+  };
+  noteDetached(*module_, "(the model)");  // a module on the stack has no shared_ptr to it
+  for (const auto& item : module_->named_modules("", /*include_self=*/false)) {
+    noteDetached(*item.value(), item.key());
+  }
+  if (detachedCount > 0) {
+    HDDP_LOG("ddp", comm_.rank() == 0 ? log::Level::Warn : log::Level::Debug, detachedCount,
+             " hddp::SyncBatchNorm layer(s) have no communicator of this ", comm_.size(),
+             "-rank group (", detached, detachedCount > 4 ? ", ..." : "",
+             "): each normalises its own rank's share. Call hddp::convertSyncBatchNorm(*model, "
+             "comm) (or setCommunicator) before wrapping the model");
+  }
   const auto names = ddp::localBatchNormLayers(*module_);
   if (names.empty()) {
     return;

@@ -162,9 +162,12 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   HDDP_CHECK(input.dim() >= 2 && input.size(1) == options_.numFeatures,
              "SyncBatchNorm expects input (N, ", options_.numFeatures, ", ...), got ",
              input.sizes());
-  if (!is_training() && running_mean.defined()) {  // without running statistics: batch ones
-    return torch::batch_norm(input, weight, bias, running_mean, running_var, false,
-                             options_.momentum, options_.eps,
+  if (!is_training()) {
+    // The running statistics where it keeps them; without them the batch's own on this
+    // rank alone, as PyTorch's SyncBatchNorm (it syncs in training only): an evaluation
+    // that gives the ranks different numbers of batches runs no collective here.
+    return torch::batch_norm(input, weight, bias, running_mean, running_var,
+                             /*training=*/!running_mean.defined(), options_.momentum, options_.eps,
                              at::globalContext().userEnabledCuDNN());
   }
   if (num_batches_tracked.defined()) {

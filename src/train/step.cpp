@@ -217,6 +217,7 @@ double Trainer::Impl::report(const Batch& batch, const StepInfo& info, const Ste
   r.step = step_;
   r.stepInEpoch = batch.stepInEpoch;
   r.stepsPerEpoch = info.stepsPerEpoch;
+  r.maxSteps = options_.maxSteps;  // the progress counts to where maxSteps ends the run
   r.localBatch = local;
   r.globalBatch = batch.share.globalBatch;
   r.dataWaitSeconds = batch.waitSeconds;

@@ -54,7 +54,7 @@ Trainer::Impl::Impl(Communicator& comm, std::shared_ptr<torch::nn::Module> model
   HDDP_CHECK_AS(ConfigError, model_ != nullptr && forward_ && loss_,
                 "Trainer needs a model, a forward function and a loss function");
   const train::RankDeviceScope onDevice(device_);  // the seed's timed forward, the DDP
-  resolveAndAgreeOptions(train.get());
+  resolveAndAgreeOptions(comm, train.get());
   const int rank = comm.rank();
   HDDP_LOG_INFO("train", "rank ", rank, " trains on ", device_.str(),
                 comm.device() != device_ ? " (" + std::string(backendName(comm.backend())) +

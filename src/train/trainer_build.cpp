@@ -43,14 +43,16 @@ void prepareUnderAgent(train::ElasticRun& elastic, const std::string& saveDir, i
 
 }  // namespace
 
-void Trainer::Impl::resolveAndAgreeOptions(const Dataset* train) {
+void Trainer::Impl::resolveAndAgreeOptions(Communicator& comm, const Dataset* train) {
+  // The given communicator, as before any emulated link: these few exchanges decide the
+  // options, not the training's timing.
   // A rank's own problem with its options (its device, its data) fails every rank at once;
   // then every rank must have been given the options that shape the collectives alike.
   for (const auto& module : model_->modules(/*include_self=*/true)) {
     hasSyncBatchNorm_ = hasSyncBatchNorm_ || dynamic_cast<SyncBatchNormImpl*>(module.get());
   }
   ResolvedOptions resolved;
-  agreeOutcome<ConfigError>(comm_, "checking the Trainer's options", [&] {
+  agreeOutcome<ConfigError>(comm, "checking the Trainer's options", [&] {
     RankFacts facts;
     facts.device = device_;
     facts.elasticDir = elastic_.enabled() ? elastic_.dir() : std::string();
@@ -64,10 +66,10 @@ void Trainer::Impl::resolveAndAgreeOptions(const Dataset* train) {
       }
     }
     resolved = resolveOptions(given_, facts);
-    train::checkOptions(resolved.options, train, comm_, device_);
+    train::checkOptions(resolved.options, train, comm, device_);
   });
   options_ = std::move(resolved.options);
-  const int rank = comm_.rank();
+  const int rank = comm.rank();
   for (const auto& note : resolved.notes) {
     if (note.warn) {
       HDDP_LOG_WARN("train", "rank ", rank, " ", note.text);
@@ -77,14 +79,14 @@ void Trainer::Impl::resolveAndAgreeOptions(const Dataset* train) {
       HDDP_LOG_SHARED("train", rank, note.text);
     }
   }
-  train::checkOptionsAgree(comm_, options_);
+  train::checkOptionsAgree(comm, options_);
   if (elastic_.underAgent()) {
     prepareUnderAgent(elastic_, options_.saveDir, rank);
   }
   // Elastic commits and a launcher's restarts decide exchanges too (fit()'s start, the
   // commits): every rank must see the same launcher.
   const uint8_t elastic = (elastic_.enabled() ? 1 : 0) | (elastic_.underAgent() ? 2 : 0);
-  for (const uint8_t other : allgatherValue<uint8_t>(comm_, elastic)) {
+  for (const uint8_t other : allgatherValue<uint8_t>(comm, elastic)) {
     HDDP_CHECK_AS(ConfigError, other == elastic,
                   "the ranks were not started alike: some run as an elastic job (hddp-run "
                   "--elastic, or torchrun's agent) and some do not; start every rank with the "

@@ -47,7 +47,7 @@ class Trainer::Impl {
 
   // ---- building (trainer_build.cpp) ----------------------------------------------------
   /// The options resolved and checked (every rank's problem fails every rank), agreed.
-  void resolveAndAgreeOptions(const Dataset* train);
+  void resolveAndAgreeOptions(Communicator& comm, const Dataset* train);
   /// DDP over the model (an emulated slower card sends each bucket when it would have
   /// computed it), the seed, the compression choice, ZeRO, the planner.
   void buildDdpAndBalancing(const Dataset& train);

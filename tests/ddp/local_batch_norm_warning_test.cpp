@@ -95,4 +95,21 @@ TEST(DdpLocalBatchNorm, AllowedOneRankEvalModeOrSyncBatchNormIsQuiet) {
   EXPECT_EQ(noRunning.size(), 1u);
 }
 
+// A SyncBatchNorm field never given the group's communicator normalises each rank's share
+// too: DDP says so, and is quiet once convertSyncBatchNorm attached it.
+TEST(DdpLocalBatchNorm, ASyncBatchNormWithoutTheGroupsCommunicatorIsNamed) {
+  const auto detached = warningsAtConstruction(
+      2, [](hddp::Communicator&) { return nn::Sequential(hddp::SyncBatchNorm(2)).ptr(); });
+  ASSERT_EQ(detached.size(), 1u);
+  EXPECT_NE(detached[0].find("1 hddp::SyncBatchNorm layer(s) have no communicator"),
+            std::string::npos)
+      << detached[0];
+  EXPECT_NE(detached[0].find("'0'"), std::string::npos) << detached[0];
+  EXPECT_TRUE(warningsAtConstruction(2, [](hddp::Communicator& comm) {
+                auto model = nn::Sequential(hddp::SyncBatchNorm(2));
+                hddp::convertSyncBatchNorm(*model, comm);
+                return model.ptr();
+              }).empty());
+}
+
 }  // namespace

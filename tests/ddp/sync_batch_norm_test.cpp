@@ -151,6 +151,35 @@ TEST(SyncBatchNorm, SingleProcessIsPlainBatchNorm) {
   EXPECT_TRUE(torch::allclose(sync(x), plain(x2), 1e-5, 1e-6));
 }
 
+// In eval mode without running statistics each rank normalises its own batch and runs no
+// collective (as PyTorch's SyncBatchNorm): a sharded evaluation gives the ranks different
+// numbers of batches, and a collective there would pair with something else or hang.
+TEST(SyncBatchNorm, EvalWithoutRunningStatisticsRunsNoCollective) {
+  std::vector<at::Tensor> outputs(2);
+  std::vector<at::Tensor> inputs(2);
+  runThreads(2, [&](int rank, int size, hddp::Store& store) {
+    hddp::CommunicatorOptions co;
+    co.timeout = std::chrono::seconds(10);  // a collective left unpaired fails, not hangs
+    auto comm = hddp::makeCommunicator(store, rank, size, co);
+    hddp::SyncBatchNormOptions o(3);
+    o.trackRunningStats = false;
+    hddp::SyncBatchNorm bn(o, comm.get());
+    bn->eval();
+    torch::manual_seed(5 + rank);
+    // Rank 0 evaluates two batches, rank 1 one.
+    for (int batch = 0; batch < (rank == 0 ? 2 : 1); ++batch) {
+      inputs[rank] = torch::randn({4, 3, 2, 2});
+      outputs[rank] = bn(inputs[rank]);
+    }
+    comm->barrier().wait();  // the ranks still pair their collectives afterwards
+  });
+  for (int r = 0; r < 2; ++r) {
+    torch::nn::BatchNorm2d plain(torch::nn::BatchNorm2dOptions(3).track_running_stats(false));
+    plain->eval();
+    EXPECT_TRUE(torch::allclose(outputs[r], plain(inputs[r]), 1e-5, 1e-6)) << "rank " << r;
+  }
+}
+
 // A module that reaches its layers only through the registry, so conversion can work.
 struct ByNameImpl : torch::nn::Module {
   ByNameImpl() { register_module("bn", torch::nn::BatchNorm2d(3)); }

@@ -124,6 +124,17 @@ TEST(ExampleTrainerFlags, LogEveryThinsTheProgressLinesAndTheMetricsHaveEverySte
   hddp::testing::removeTree(dir);
 }
 
+// The progress lines count to the step where --max-steps ends the run, not the epoch's.
+TEST(ExampleTrainerFlags, ProgressCountsToMaxStepsWhenItEndsTheRunInsideTheEpoch) {
+  const std::string dir = hddp::testing::makeTempDir();
+  const auto r = runResnet(dir, kTiny + " --max-steps 4 --log-every 1 --progress lines");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(ofKind(r, "step").size(), 4u) << r.output;
+  EXPECT_NE(r.output.find("step 4/4 "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("/6 "), std::string::npos) << r.output;  // the epoch has 6 steps
+  hddp::testing::removeTree(dir);
+}
+
 // A state dict with torchvision's stem (7x7/2 conv1 and max-pool, 3 channels) into the
 // CIFAR stem of 16 px images: the error says both fixes, once, without "hddp: hddp:" or
 // "[state_dict.cpp:257]" (which stay in the debug log); --stem torchvision loads it and

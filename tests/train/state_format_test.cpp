@@ -85,8 +85,14 @@ Outcome run(const std::string& saveDir, const std::string& resume, int64_t maxSt
     hddp::CommunicatorOptions co;
     co.timeout = std::chrono::seconds(60);
     auto comm = hddp::makeCommunicator(store, rank, size, co);
-    torch::manual_seed(11);
-    hddp::testing::Net model;
+    hddp::testing::Net model{nullptr};
+    {
+      // The ranks are threads sharing torch's global generator: one at a time, so that
+      // rank 0's initial parameters (DDP broadcasts them) are the seed's on any run.
+      std::lock_guard<std::mutex> lock(mutex);
+      torch::manual_seed(11);
+      model = hddp::testing::Net();
+    }
     torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
     hddp::TrainerOptions o;
     o.globalBatch = 20;

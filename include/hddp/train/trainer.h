@@ -119,7 +119,8 @@ struct TrainerOptions {
   LoaderOptions loader;
   /// Used with AmpMode::Fp16 (enabled is set by the Trainer).
   GradScalerOptions scaler;
-  /// Metrics and progress lines every this many steps. Default 20.
+  /// Progress lines every this many steps (the metrics file has a record for every step).
+  /// Default 20.
   int64_t logEvery = 20;
   /// JSON lines, one per step, epoch and run; "" = none. Rank 0 writes this path,
   /// rank r > 0 writes it with ".rank<r>" before the extension.

@@ -7,7 +7,8 @@
 // BatchNorm model trained on any split then matches single-device training on the
 // global batch, training-mode statistics included. Running statistics are updated from
 // the global statistics, so they are identical on all ranks. Eval mode is plain
-// BatchNorm with the running statistics.
+// BatchNorm with the running statistics, and without them (trackRunningStats false) each
+// rank's own batch: eval mode runs no collective, as PyTorch's SyncBatchNorm.
 //
 // Contract: every rank runs forward and backward through each SyncBatchNorm layer in
 // every training step (a rank needs at least one sample; the collectives must match).

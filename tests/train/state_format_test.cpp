@@ -23,41 +23,13 @@
 #include "hddp/train/part.h"
 #include "hddp/train/trainer.h"
 #include "support/disk.h"
+#include "support/fixed_rate_timer.h"
 #include "support/ranks.h"
 #include "support/trainer_runs.h"
 
 namespace {
 
-// Each step computed `secondsPerSample` per sample: the planner's evidence is the same on
-// any machine, loaded or not.
-class FixedRateTimer : public hddp::StepTimer {
- public:
-  explicit FixedRateTimer(double secondsPerSample) : secondsPerSample_(secondsPerSample) {}
-  void start(const hddp::StepLabel& label) override {
-    open_ = true;
-    label_ = label;
-  }
-  void beginWait() override {}
-  void endWait() override {}
-  void stop() override {
-    if (!open_) {
-      return;
-    }
-    hddp::StepTiming t;
-    t.label = label_;
-    t.totalSeconds = secondsPerSample_ * static_cast<double>(label_.samples);
-    done_.push_back(t);
-    open_ = false;
-  }
-  std::vector<hddp::StepTiming> collect() override { return std::exchange(done_, {}); }
-  const char* describe() const override { return "a fixed rate (test)"; }
-
- private:
-  double secondsPerSample_;
-  bool open_ = false;
-  hddp::StepLabel label_;
-  std::vector<hddp::StepTiming> done_;
-};
+using hddp::testing::FixedRateTimer;
 
 // A part of the program's with a state: the steps it has seen.
 class StepsSeen final : public hddp::TrainerPart {

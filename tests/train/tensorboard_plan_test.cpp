@@ -19,6 +19,7 @@
 #include "hddp/data/datasets.h"
 #include "hddp/train/trainer.h"
 #include "support/event_records.h"
+#include "support/fixed_rate_timer.h"
 #include "support/ranks.h"
 
 namespace {
@@ -28,36 +29,7 @@ namespace {
 using hddp::testing::event_records::scalarValuesIn;
 using hddp::testing::event_records::textsIn;
 
-// Each step computed `secondsPerSample` per sample and never waited: the measurement a
-// card of exactly that speed gives, whatever the machine running the test does.
-class FixedRateTimer : public hddp::StepTimer {
- public:
-  explicit FixedRateTimer(double secondsPerSample) : secondsPerSample_(secondsPerSample) {}
-  void start(const hddp::StepLabel& label) override {
-    open_ = true;
-    label_ = label;
-  }
-  void beginWait() override {}
-  void endWait() override {}
-  void stop() override {
-    if (!open_) {
-      return;
-    }
-    hddp::StepTiming t;
-    t.label = label_;
-    t.totalSeconds = secondsPerSample_ * static_cast<double>(label_.samples);
-    done_.push_back(t);
-    open_ = false;
-  }
-  std::vector<hddp::StepTiming> collect() override { return std::exchange(done_, {}); }
-  const char* describe() const override { return "a fixed rate (test)"; }
-
- private:
-  double secondsPerSample_;
-  bool open_ = false;
-  hddp::StepLabel label_;
-  std::vector<hddp::StepTiming> done_;
-};
+using hddp::testing::FixedRateTimer;
 
 // Rank 1 measures 3x rank 0's seconds per sample. The planner (its defaults: first
 // update after 3 calibration steps, then every 10) starts from the equal split (no
